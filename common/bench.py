@@ -1,0 +1,124 @@
+"""Benchmarking: CUDA-event timing, FLOP counts, and the peers we measure beside our kernels.
+
+Method (see the device notes): warm up, then time each launch with a pair of
+CUDA events and report the median; rotate among several input sets whose
+total size exceeds L2 so repeated launches do not read a warm cache; count
+FLOPs by formula (2 per multiply-add of each GEMM), never from the profiler.
+
+Peers are measured in the same process, on the same inputs:
+- ``matmul``: torch.matmul (cuBLAS) in the inputs' dtype;
+- ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``, CuTeDSL);
+- ``cudnn``: torch SDPA forced onto cuDNN (``SDPBackend.CUDNN_ATTENTION``).
+``peer_sanity`` re-measures each peer on a case from ``shared/notes/anchors.md``
+and flags it when it lands far under the anchor: a peer run badly (wrong
+backend, a fallback, a cold cache) makes every ratio against it meaningless.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+L2_BYTES = 64 << 20  # above H100 (50 MB) and H200 (60 MB) L2
+
+
+def rotation_count(bytes_per_set: int, minimum: int = 2, maximum: int = 16) -> int:
+    """How many input sets to rotate among so that together they exceed L2."""
+    n = -(-2 * L2_BYTES // max(bytes_per_set, 1))
+    return max(minimum, min(maximum, n))
+
+
+def time_ms(calls, warmup: int = 5, iters: int = 30) -> float:
+    """Median milliseconds of one launch. ``calls`` is a list of zero-argument callables
+    (one per rotated input set); iteration i runs ``calls[i % len(calls)]``."""
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        calls[i % len(calls)]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def tflops(flop: int, ms: float) -> float:
+    return flop / (ms * 1e-3) / 1e12
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, head_dim_v=None) -> int:
+    """Dense forward attention: QK^T and PV, 2 FLOPs per multiply-add each."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 2 * batch * heads * seqlen_q * seqlen_k * (head_dim + dv)
+
+
+# ---- peers -------------------------------------------------------------------------------
+
+def peer_matmul_qk(q, k):
+    """S = Q K^T per head through cuBLAS, output in the input dtype (half our fp32 bytes)."""
+    h, hk = q.shape[2], k.shape[2]
+    qt = q.transpose(1, 2)
+    kt = k.transpose(1, 2)
+    if hk != h:
+        kt = kt.repeat_interleave(h // hk, dim=1)
+    return lambda: torch.matmul(qt, kt.transpose(-1, -2))
+
+
+def peer_fa4(q, k, v, softmax_scale=None, causal=False):
+    from flash_attn.cute import flash_attn_func
+
+    def run():
+        r = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return r[0] if isinstance(r, tuple) else r
+
+    return run
+
+
+def peer_cudnn(q, k, v, softmax_scale=None, causal=False):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    enable_gqa = k.shape[2] != q.shape[2]
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa(qt, kt, vt, scale=softmax_scale, is_causal=causal, enable_gqa=enable_gqa)
+
+    return run
+
+
+# Anchor cases (shared/notes/anchors.md, H200, bf16): peer -> (case, TFLOP/s measured there)
+ANCHORS = {
+    "matmul": ("bf16 8192^3", 692.0),
+    "fa4": ("4x16x8192 hd128 non-causal", 665.0),
+    "cudnn": ("4x16x8192 hd128 non-causal", 607.0),
+}
+SANE_FRACTION = 0.6  # a peer under 60% of its anchor is flagged (H100 is slower than H200)
+
+
+def peer_sanity(device="cuda") -> dict:
+    """Each peer on its anchor case; returns {peer: {tflops, anchor, ok, error?}}."""
+    out = {}
+    dt = torch.bfloat16
+    a = torch.randn(8192, 8192, dtype=dt, device=device)
+    b = torch.randn(8192, 8192, dtype=dt, device=device)
+    ms = time_ms([lambda: torch.matmul(a, b)], warmup=3, iters=10)
+    out["matmul"] = {"tflops": tflops(2 * 8192**3, ms)}
+    q, k, v = (torch.randn(4, 8192, 16, 128, dtype=dt, device=device) for _ in range(3))
+    flop = attention_flops(4, 16, 8192, 8192, 128)
+    for name, make in (("fa4", peer_fa4), ("cudnn", peer_cudnn)):
+        try:
+            ms = time_ms([make(q, k, v)], warmup=3, iters=10)
+            out[name] = {"tflops": tflops(flop, ms)}
+        except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+            out[name] = {"tflops": None, "error": f"{type(e).__name__}: {e}"[:300]}
+    for name, rec in out.items():
+        case, anchor = ANCHORS[name]
+        rec["anchor_case"] = case
+        rec["anchor_tflops"] = anchor
+        rec["ok"] = rec["tflops"] is not None and rec["tflops"] >= SANE_FRACTION * anchor
+    return out

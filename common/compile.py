@@ -1,0 +1,166 @@
+"""Compile harness: build any stage kernel for either architecture without a GPU.
+
+``compile_report(stage, arch, dtype, head_dim)`` compiles in a child process
+with CuTeDSL's file cache off and a hard time limit (a compile that hangs, as
+the origin's head-dim-512 kernel did for hours, fails instead of hanging the
+suite), and returns what the compiler made:
+
+- ``seconds``: wall time of ``cute.compile`` (trace + MLIR + ptxas), file cache off;
+- ``registers``, ``spill_store_bytes``, ``spill_load_bytes``, ``stack_bytes``: from
+  ptxas's own report (a second compile with ``remarks{ptx}``, which prints it);
+- ``smem_bytes``: the kernel's shared-storage struct (dynamic SMEM is not in the cubin);
+- ``tmem_columns`` (sm100): the column count the kernel passes to its TMEM allocation;
+- ``warnings``: ptxas warnings (C7508 = setmaxnreg ignored, and others).
+
+Run directly: ``python -m common.compile STAGE ARCH DTYPE HEAD_DIM`` prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA, sm90 and sm100
+TMEM_COLUMNS = 512
+COMPILE_BUDGET_S = 30.0
+
+
+@dataclasses.dataclass
+class CompileReport:
+    stage: str
+    arch: str
+    dtype: str
+    head_dim: int
+    seconds: float | None = None
+    registers: int | None = None
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+    stack_bytes: int | None = None
+    smem_bytes: int | None = None
+    tmem_columns: int | None = None
+    warnings: list = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def row(self) -> str:
+        if self.error:
+            return f"{self.stage} {self.arch} {self.dtype} hd{self.head_dim}: ERROR {self.error}"
+        tmem = f" tmem={self.tmem_columns}cols" if self.tmem_columns is not None else ""
+        return (
+            f"{self.stage} {self.arch:5s} {self.dtype:8s} hd{self.head_dim:<3d} compile={self.seconds:5.2f}s "
+            f"regs={self.registers} spill={self.spill_store_bytes}/{self.spill_load_bytes}B "
+            f"smem={self.smem_bytes}B{tmem}"
+        )
+
+
+_PTXAS_RE = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
+    re.S,
+)
+
+
+def parse_ptxas(text: str) -> dict:
+    """Worst case over the kernels ptxas reported (one per stage kernel)."""
+    out = {"stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0, "registers": 0}
+    found = False
+    for m in _PTXAS_RE.finditer(text):
+        found = True
+        stack, st, ld, regs = map(int, m.groups())
+        out["stack_bytes"] = max(out["stack_bytes"], stack)
+        out["spill_store_bytes"] = max(out["spill_store_bytes"], st)
+        out["spill_load_bytes"] = max(out["spill_load_bytes"], ld)
+        out["registers"] = max(out["registers"], regs)
+    if not found:
+        raise RuntimeError("no ptxas resource report found in the compiler output")
+    out["warnings"] = sorted(set(re.findall(r"ptxas warning\s*:\s*(.*)", text)))
+    return out
+
+
+class _CaptureStderr:
+    """Capture file descriptor 2 (ptxas remarks are printed by native code)."""
+
+    def __enter__(self):
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.text = self._file.read().decode(errors="replace")
+        self._file.close()
+        return False
+
+
+def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int) -> CompileReport:
+    """Compile in this process (the child side of ``compile_report``)."""
+    import torch
+
+    import stages
+    from common import jit
+
+    dtype = getattr(torch, dtype_name)
+    mod = stages.get(stage_id).module
+    rep = CompileReport(stage_id, arch, dtype_name, head_dim)
+    args = mod.example_args(dtype, head_dim)
+
+    kernel = mod.make_kernel(arch, dtype, head_dim)
+    t0 = time.perf_counter()
+    jit.compile_kernel(kernel, args, arch)
+    rep.seconds = round(time.perf_counter() - t0, 3)
+    rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
+    tmem = getattr(kernel, "tmem_columns", None)
+    rep.tmem_columns = None if tmem is None else int(tmem)
+
+    with _CaptureStderr() as cap:
+        jit.compile_kernel(mod.make_kernel(arch, dtype, head_dim), args, arch, "remarks{ptx}")
+    res = parse_ptxas(cap.text)
+    rep.warnings = res.pop("warnings")
+    for k, v in res.items():
+        setattr(rep, k, v)
+    return rep
+
+
+def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, timeout: float = 120.0) -> CompileReport:
+    """Compile in a child process with the file cache off and a time limit."""
+    env = dict(os.environ, CUTE_DSL_DISABLE_FILE_CACHING="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "common.compile", stage_id, arch, dtype_name, str(head_dim)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        return CompileReport(stage_id, arch, dtype_name, head_dim, error=f"compile exceeded {timeout:.0f} s")
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-15:]
+        return CompileReport(stage_id, arch, dtype_name, head_dim, error="\n".join(tail) or f"exit {p.returncode}")
+    return CompileReport(**json.loads(lines[-1]))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    stage_id, arch, dtype_name, hd = argv
+    try:
+        rep = compile_here(stage_id, arch, dtype_name, int(hd))
+    except Exception as e:  # noqa: BLE001 - reported to the parent as data
+        rep = CompileReport(stage_id, arch, dtype_name, int(hd), error=f"{type(e).__name__}: {e}")
+    print(json.dumps(dataclasses.asdict(rep)))
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

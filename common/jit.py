@@ -1,0 +1,68 @@
+"""Compile once, launch many.
+
+Kernels are compiled with dynamic shapes and strides (``mark_layout_dynamic``),
+so one compiled function serves every batch, seqlen and head count of a
+configuration. The configuration key is (kernel class, arch, dtype, head dim,
+compile-time options); compiled functions live in a per-process dict, and
+CuTeDSL's own file cache (on unless CUTE_DSL_DISABLE_FILE_CACHING is set)
+keeps the compiled binary across processes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from common.arch import GPU_ARCH
+
+_compiled: dict = {}
+_lock = threading.Lock()
+
+
+def cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    table = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.float32: cutlass.Float32,
+    }
+    return table[dtype]
+
+
+def as_cute(t: torch.Tensor):
+    """A torch tensor as a CuTe tensor with dynamic shape and strides (last dim contiguous)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def compile_kernel(kernel, args, arch: str, extra_options: str = ""):
+    """cute.compile for ``arch`` ('sm90' / 'sm100'); works without a GPU."""
+    import cutlass.cute as cute
+
+    options = f"--gpu-arch={GPU_ARCH[arch]} {extra_options}".strip()
+    return cute.compile(kernel, *args, options=options)
+
+
+def cached(key, build):
+    """The compiled function for ``key``; ``build()`` compiles it the first time only."""
+    fn = _compiled.get(key)
+    if fn is None:
+        with _lock:
+            fn = _compiled.get(key)
+            if fn is None:
+                fn = build()
+                _compiled[key] = fn
+    return fn
+
+
+def cache_size() -> int:
+    return len(_compiled)
+
+
+def current_stream():
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)

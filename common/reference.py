@@ -1,0 +1,44 @@
+"""float64 torch references, one per stage contract.
+
+Every kernel is compared against these on upcast inputs. They take the user
+layout ``[batch, seqlen, heads, head_dim]`` and return float64 on the inputs'
+device, so the comparison itself adds no rounding.
+"""
+
+import math
+
+import torch
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, s, hk, d) -> (b, s, heads, d): query head h reads kv head h // (heads // hk)."""
+    hk = x.shape[2]
+    if heads % hk:
+        raise ValueError(f"kv heads ({hk}) must divide query heads ({heads})")
+    return x.repeat_interleave(heads // hk, dim=2)
+
+
+def qk_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = None) -> torch.Tensor:
+    """Stage A: S[b, h, i, j] = scale * sum_d q[b, i, h, d] k[b, j, hk(h), d], float64."""
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    q64 = q.to(torch.float64)
+    k64 = _expand_kv(k, q.shape[2]).to(torch.float64)
+    return torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
+
+
+def attention(q, k, v, softmax_scale: float | None = None):
+    """Softmax attention with its log-sum-exp, float64.
+
+    O[b, i, h, :] = sum_j softmax_j(S[b, h, i, :]) v[b, j, hk(h), :] and
+    LSE[b, h, i] = log sum_j exp(S[b, h, i, j]) (natural log). A row with no
+    key (seqlen_k = 0) gives O = 0 and LSE = -inf.
+    """
+    s = qk_scores(q, k, softmax_scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("bhij,bjhd->bihd", p, _expand_kv(v, q.shape[2]).to(torch.float64))
+    return o, lse

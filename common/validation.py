@@ -1,0 +1,90 @@
+"""Input checks that turn bad input into a ValueError before any compile or launch.
+
+Each message names the argument and what is accepted. The kernels rely on
+what is checked here: 16-byte aligned base pointers and row strides (TMA),
+head_dim contiguous, one dtype for all inputs, kv heads dividing query heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _name_dtypes() -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    """None -> 1/sqrt(head_dim); otherwise a positive finite number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_bshd(name: str, t, head_dims) -> None:
+    """One [batch, seqlen, heads, head_dim] input."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name}.dtype must be one of {_name_dtypes()}; got {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must have rank 4 [batch, seqlen, heads, head_dim]; got shape {tuple(t.shape)}"
+        )
+    b, s, h, d = t.shape
+    if d not in head_dims:
+        raise ValueError(f"{name} head_dim must be one of {sorted(head_dims)}; got {d}")
+    if b < 1 or h < 1:
+        raise ValueError(f"{name} needs batch >= 1 and heads >= 1; got shape {tuple(t.shape)}")
+    if s < 1:
+        raise ValueError(f"{name} needs seqlen >= 1; got shape {tuple(t.shape)}")
+    if t.stride(3) != 1:
+        raise ValueError(f"{name} must have head_dim contiguous (stride 1); got strides {t.stride()}")
+    elem = t.element_size()
+    for dim in (0, 1, 2):
+        if t.shape[dim] > 1 and (t.stride(dim) * elem) % 16:
+            raise ValueError(
+                f"{name} stride of dim {dim} must be a multiple of 16 bytes (TMA); got strides {t.stride()}"
+            )
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} data pointer must be 16-byte aligned (TMA); got {t.data_ptr():#x}")
+
+
+def check_same(ref_name: str, ref, name: str, t) -> None:
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name}.dtype must equal {ref_name}.dtype ({ref.dtype}); got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}); got {t.device}")
+
+
+def check_qk(q, k, head_dims) -> None:
+    """q [b, sq, h, d], k [b, sk, hk, d]: same dtype, device, batch, head_dim; hk divides h."""
+    check_bshd("q", q, head_dims)
+    check_bshd("k", k, head_dims)
+    check_same("q", q, "k", k)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k batch must equal q batch ({q.shape[0]}); got {k.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k head_dim must equal q head_dim ({q.shape[3]}); got {k.shape[3]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"k heads ({k.shape[2]}) must divide q heads ({q.shape[2]})")
+
+
+def check_out(name: str, t, shape, dtype, device) -> None:
+    """A caller-provided output: exactly this shape and dtype, contiguous, on the inputs' device."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)}; got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}; got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")

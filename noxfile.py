@@ -1,0 +1,93 @@
+"""Sessions. Each (but lint and docs) is a thin wrapper over a command that runs the same
+way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAME``
+(no virtualenv, nothing installed: the machine brings torch, the pack brings CuTeDSL).
+
+    tests       all tests (GPU tests skip, saying why, where their architecture is absent)
+    stage_a     stage A's tests (CPU part here, GPU part on a GPU)
+    bench       benchmarks against the peers (GPU)
+    demo        the main job: newest stage on a GPU, or compile everything without one
+    compare     one row per stage: what it adds, compile time and resources, GPU error and time
+    gpu_report  GPU tests + benchmarks -> $OUT/<gpu>.json (`-- --stage a` for one stage)
+    status      record the CPU suite and render the README / docs status table
+    lint, docs  ruff; mkdocs build --strict (this machine only)
+"""
+
+import os
+import sys
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+# On the CPU machines `pip install torch==2.13.0` takes the CPU build from a local file;
+# a looser request would download a multi-GB CUDA build.
+CPU_TORCH = "torch==2.13.0"
+
+
+def _install(session, extras="test"):
+    if session.virtualenv.venv_backend == "none":
+        return  # GPU machine: everything is already importable
+    session.install(CPU_TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+def _python(session):
+    return "python" if session.virtualenv.venv_backend != "none" else sys.executable
+
+
+def _pytest(session, *args):
+    _install(session)
+    session.run(_python(session), "-m", "pytest", *args, *session.posargs)
+
+
+@nox.session
+def tests(session):
+    _pytest(session, "-n", os.environ.get("PYTEST_WORKERS", "auto"), "tests")
+
+
+@nox.session
+def stage_a(session):
+    _pytest(session, "-n", os.environ.get("PYTEST_WORKERS", "auto"), "-m", "stage_a", "tests")
+
+
+@nox.session
+def bench(session):
+    _install(session)
+    session.run(_python(session), "-m", "tools.bench", *session.posargs)
+
+
+@nox.session
+def demo(session):
+    _install(session)
+    session.run(_python(session), "-m", "tools.demo", *session.posargs)
+
+
+@nox.session
+def compare(session):
+    _install(session)
+    session.run(_python(session), "-m", "tools.compare", *session.posargs)
+
+
+@nox.session
+def gpu_report(session):
+    _install(session)
+    session.run(_python(session), "-m", "tools.gpu_report", *session.posargs)
+
+
+@nox.session
+def status(session):
+    _install(session)
+    session.run(_python(session), "-m", "tools.status", *(session.posargs or ["record"]))
+
+
+@nox.session
+def lint(session):
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def docs(session):
+    session.install("mkdocs-material")
+    session.run("mkdocs", "build", "--strict")

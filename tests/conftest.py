@@ -1,0 +1,92 @@
+"""Test-suite plumbing: the results record behind the reports and the README status.
+
+``pytest --results-json PATH`` writes, after the run, the outcome counts per
+stage, architecture and kind of test, and the worst errors the GPU tests saw
+(recorded through the ``record_errors`` fixture). Works under pytest-xdist:
+the controller aggregates the reports its workers send.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+STAGE_PREFIX = "stage_"
+KINDS = ("gpu", "compile", "proof")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--results-json", default=None, help="write per-stage/arch outcome counts here")
+
+
+@pytest.fixture(autouse=True)
+def _tag_arch(request):
+    callspec = getattr(request.node, "callspec", None)
+    arch = callspec.params.get("arch") if callspec else None
+    marker = request.node.get_closest_marker("arch")
+    arch = arch or (marker.args[0] if marker else None)
+    request.node.user_properties.append(("arch", arch or "any"))
+    yield
+
+
+@pytest.fixture
+def record_errors(request):
+    """record_errors(errors_obj, **case): keep a GPU test's error metrics for the report."""
+
+    def record(errs, **case):
+        request.node.user_properties.append(
+            ("errors", {"rel_fro": errs.rel_fro, "row_rel": errs.row_rel, "max_abs": errs.max_abs, **case})
+        )
+
+    return record
+
+
+class _Collector:
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        self.rows = {}
+
+    def pytest_runtest_logreport(self, report):
+        props = dict(p for p in report.user_properties if p[0] == "arch")
+        arch = props.get("arch", "any")
+        stages = [k[len(STAGE_PREFIX):] for k in report.keywords if k.startswith(STAGE_PREFIX)]
+        kind = next((k for k in KINDS if k in report.keywords), "host")
+        row = self.rows.setdefault(report.nodeid, {"stages": stages, "arch": arch, "kind": kind,
+                                                   "outcome": None, "errors": []})
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            row["outcome"] = report.outcome
+        if report.when == "call" and report.outcome != "passed" and report.failed:
+            row["outcome"] = "failed"
+        if report.when == "teardown" and report.failed:
+            row["outcome"] = "failed"
+        row["errors"] += [p[1] for p in report.user_properties if p[0] == "errors"]
+
+    def summary(self) -> dict:
+        tests, kinds, errors = {}, {}, {}
+        for row in self.rows.values():
+            outcome = row["outcome"] or "failed"
+            for st in row["stages"] or ["none"]:
+                t = tests.setdefault(st, {}).setdefault(row["arch"], {"passed": 0, "failed": 0, "skipped": 0})
+                t[outcome] = t.get(outcome, 0) + 1
+                k = kinds.setdefault(st, {}).setdefault(row["arch"], {}).setdefault(
+                    row["kind"], {"passed": 0, "failed": 0, "skipped": 0})
+                k[outcome] = k.get(outcome, 0) + 1
+                for e in row["errors"]:
+                    worst = errors.setdefault(st, {}).setdefault(row["arch"], {"rel_fro": 0.0, "row_rel": 0.0,
+                                                                               "max_abs": 0.0, "cases": 0})
+                    worst["cases"] += 1
+                    for key in ("rel_fro", "row_rel", "max_abs"):
+                        worst[key] = max(worst[key], e[key])
+        return {"tests": tests, "by_kind": kinds, "errors": errors}
+
+    def pytest_sessionfinish(self, session):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.summary(), indent=1, sort_keys=True))
+
+
+def pytest_configure(config):
+    path = config.getoption("--results-json")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Collector(path), "dsv4-results")

@@ -1,0 +1,64 @@
+"""The shared testing and evidence pieces fail when they should."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from common import report
+from common.layout_proof import swizzle_bytes
+from common.testing import errors, poison_
+
+pytestmark = [pytest.mark.stage_a]
+
+
+def test_nan_never_passes():
+    ref = torch.ones(4, 8, dtype=torch.float64)
+    out = ref.clone()
+    out[2, 3] = float("nan")
+    e = errors(out, ref)
+    assert math.isinf(e.rel_fro) and not e.within(1.0, 1.0)
+
+
+def test_unwritten_poison_fails():
+    ref = torch.ones(3, 5, dtype=torch.float64)
+    out = poison_(torch.empty(3, 5))
+    out[:2] = 1.0
+    assert not errors(out, ref).within(1e-3, 1e-3)
+
+
+def test_one_bad_row_is_seen():
+    ref = torch.randn(1000, 64, dtype=torch.float64)
+    out = ref.clone()
+    out[617] *= 1.01
+    e = errors(out, ref)
+    assert e.rel_fro < 1e-3 < e.row_rel and e.worst_row == (617,)
+
+
+def test_swizzle_acts_on_bytes():
+    # S<3,4,3>: bits 7..9 of the byte address XOR into bits 4..6 (16-byte chunks within 128 B)
+    assert swizzle_bytes(0x80, 3, 4, 3) == 0x90
+    assert swizzle_bytes(0x3F0, 3, 4, 3) == 0x3F0 ^ 0x70
+    assert all(swizzle_bytes(a, 3, 4, 3) // 128 == a // 128 for a in range(0, 4096, 16))
+
+
+def test_report_staleness(tmp_path):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "stages").mkdir()
+    f = tmp_path / "common" / "x.py"
+    f.write_text("a = 1\n")
+    rep = {"sources": report.sources(tmp_path)}
+    assert not report.is_stale(rep, tmp_path)
+    f.write_text("a = 2\n")
+    assert report.stale_files(rep, tmp_path) == ["common/x.py"]
+    json.dumps(rep)
+
+
+def test_merge_never_mixes_code():
+    old = {"sources": {"a": "1"}, "tests": {"a": {}}, "bench": [{"stage": "a"}]}
+    new = {"sources": {"a": "2"}, "tests": {"b": {}}, "bench": []}
+    assert report.merge(old, new) == new
+    same = dict(new, sources={"a": "1"})
+    merged = report.merge(old, same)
+    assert set(merged["tests"]) == {"a", "b"} and merged["bench"] == [{"stage": "a"}]

@@ -1,0 +1,84 @@
+"""Benchmarks (GPU only): each stage against its peers, measured in one process.
+
+    python -m tools.bench [--stage a] [--json PATH]
+
+Stage A: S = scale * Q K^T in fp32 against torch.matmul (cuBLAS) of the same
+bf16 tensors, whose output is bf16, i.e. half our output's bytes: at these
+sizes both are bound by writing S, so the time ratio is dominated by that 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from common import bench
+from common.arch import present_arch
+from common.testing import random_bshd
+
+
+def bench_stage_a(dev) -> list:
+    from stages import a_qk_gemm as stage
+
+    rows = []
+    b, h, sq, sk = 1, 16, 4096, 4096
+    for d in stage.HEAD_DIMS:
+        per_set = (b * sq * h * d + b * sk * d * h) * 2 + b * h * sq * sk * 4
+        n = bench.rotation_count(per_set, maximum=4)
+        sets = [(random_bshd(b, sq, h, d, torch.bfloat16, dev), random_bshd(b, sk, h, d, torch.bfloat16, dev))
+                for _ in range(n)]
+        outs = [torch.empty(b, h, sq, sk, dtype=torch.float32, device=dev) for _ in range(n)]
+        ours = [lambda q=q, k=k, o=o: stage.forward(q, k, out=o) for (q, k), o in zip(sets, outs, strict=True)]
+        del outs
+        ms = bench.time_ms(ours)
+        mm = bench.time_ms([bench.peer_matmul_qk(q, k) for q, k in sets])
+        flop = stage.flops(b, sq, sk, h, d)
+        in_bytes = (b * sq * h * d + b * sk * h * d) * 2
+        ours_bytes, mm_bytes = in_bytes + b * h * sq * sk * 4, in_bytes + b * h * sq * sk * 2
+        rows.append({
+            "stage": "a", "case": f"b{b} h{h} sq{sq} sk{sk} hd{d} bf16",
+            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
+            "peers": {"matmul": round(bench.tflops(flop, mm), 1)},
+            "peer_ms": {"matmul": round(mm, 4)},
+            "time_ratio_vs": {"matmul": round(ms / mm, 3)},
+            "ours_gbps": round(ours_bytes / (ms * 1e-3) / 1e9),
+            "peer_gbps": {"matmul": round(mm_bytes / (mm * 1e-3) / 1e9)},
+            "note": "S is fp32 here and bf16 from torch.matmul, so we write twice the bytes; both are bound "
+                    "by writing S at these sizes: compare ours_gbps with peer_gbps",
+        })
+        print(f"stage a hd{d}: ours {ms:.3f} ms ({rows[-1]['ours_tflops']} TFLOP/s)  "
+              f"matmul {mm:.3f} ms  ratio {ms / mm:.2f}x  "
+              f"({rows[-1]['ours_gbps']} vs {rows[-1]['peer_gbps']['matmul']} GB/s)", flush=True)
+        del sets, ours
+        torch.cuda.empty_cache()
+    return rows
+
+
+BENCHES = {"a": bench_stage_a}
+
+
+def run(stages=None) -> list:
+    if present_arch() is None:
+        raise SystemExit("bench needs a Hopper or Blackwell GPU; this machine has none")
+    dev = torch.device("cuda", 0)
+    rows = []
+    for sid in stages or list(BENCHES):
+        rows += BENCHES[sid](dev)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", action="append")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    rows = run(a.stage)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

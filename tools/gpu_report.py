@@ -1,0 +1,93 @@
+"""Run the GPU tests and benchmarks and write the device report.
+
+    python -m tools.gpu_report --out DIR [--stage a ...] [--no-bench] [--no-sanity]
+
+Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
+(sha256 of every file under stages/ and common/), test counts per stage and
+arch, the worst errors the tests recorded, the benchmark rows with their peers
+measured in the same run, and the peers' sanity check against the anchors.
+With --stage, the results are merged into docs/results/<gpu>.json from the
+tree when that report ran the same code, so each call fits the device's
+10-minute command limit. Copy the file into docs/results/ and commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from common import report
+from common.arch import gpu_name, present_arch
+
+
+def run_tests(stages, log) -> dict:
+    marks = " or ".join(f"stage_{s}" for s in stages)
+    with tempfile.TemporaryDirectory() as tmp:
+        res = pathlib.Path(tmp) / "results.json"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", f"gpu and ({marks})",
+               f"--results-json={res}", "tests"]
+        print("+", " ".join(cmd), flush=True)
+        p = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        log.write(p.stdout)
+        print(p.stdout[-6000:], flush=True)
+        summary = json.loads(res.read_text()) if res.exists() else {"tests": {}, "errors": {}}
+    summary["pytest_exit"] = p.returncode
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--stage", action="append")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--no-sanity", action="store_true")
+    a = ap.parse_args(argv)
+    if present_arch() is None:
+        print(f"gpu_report needs a Hopper or Blackwell GPU; this machine has {gpu_name() or 'none'}")
+        return 2
+
+    import cutlass
+    import torch
+
+    import stages as stage_registry
+    from common import bench
+    from tools import bench as bench_tool
+
+    stage_ids = a.stage or [s.id for s in stage_registry.STAGES]
+    name = report.gpu_file_name(gpu_name())
+    out_dir = pathlib.Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"{name}-log.txt", "a") as log:
+        summary = run_tests(stage_ids, log)
+    new = {
+        "device": gpu_name(),
+        "arch": present_arch(),
+        "date": report.today(),
+        "versions": {"torch": torch.__version__, "cutlass_dsl": cutlass.__version__,
+                     "cuda": torch.version.cuda, "python": sys.version.split()[0]},
+        "sources": report.sources(),
+        "tests": {s: summary["tests"].get(s, {}) for s in stage_ids},
+        "errors": {s: summary["errors"].get(s, {}) for s in stage_ids},
+        "bench": [],
+        "runs": [{"date": report.today(), "stages": stage_ids, "pytest_exit": summary["pytest_exit"],
+                  "bench": not a.no_bench}],
+    }
+    if not a.no_bench:
+        new["bench"] = bench_tool.run([s for s in stage_ids if s in bench_tool.BENCHES])
+    if not a.no_sanity:
+        new["peer_sanity"] = bench.peer_sanity()
+        print("peer sanity:", json.dumps(new["peer_sanity"]), flush=True)
+    existing = report.RESULTS / f"{name}.json"
+    merged = report.merge(report.load(existing) if existing.exists() else None, new)
+    (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")
+    return summary["pytest_exit"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
