@@ -27,9 +27,9 @@ def trace(fn, *args, arch: str = "sm100"):
     ``fn`` must return plain Python data (ints, tuples, lists, dicts, str). ``arch``
     ('sm90' / 'sm100') is the target the builders are checked against.
     """
-    from common.arch import GPU_ARCH
-
     import cutlass.cute as cute
+
+    from common.arch import GPU_ARCH
 
     box = {}
 

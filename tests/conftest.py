@@ -21,14 +21,17 @@ def pytest_addoption(parser):
     parser.addoption("--results-json", default=None, help="write per-stage/arch outcome counts here")
 
 
-@pytest.fixture(autouse=True)
-def _tag_arch(request):
-    callspec = getattr(request.node, "callspec", None)
+def _arch_of(item) -> str:
+    callspec = getattr(item, "callspec", None)
     arch = callspec.params.get("arch") if callspec else None
-    marker = request.node.get_closest_marker("arch")
-    arch = arch or (marker.args[0] if marker else None)
-    request.node.user_properties.append(("arch", arch or "any"))
-    yield
+    marker = item.get_closest_marker("arch")
+    return arch or (marker.args[0] if marker else "any")
+
+
+def pytest_collection_modifyitems(config, items):
+    # tagged at collection, so that tests skipped before their fixtures run keep their arch
+    for item in items:
+        item.user_properties.append(("arch", _arch_of(item)))
 
 
 @pytest.fixture
