@@ -3,7 +3,7 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
 (no virtualenv, nothing installed: the machine brings torch, the pack brings CuTeDSL).
 
     tests       all tests (GPU tests skip, saying why, where their architecture is absent)
-    stage_a     stage A's tests (CPU part here, GPU part on a GPU)
+    stage_<id>  one stage's tests (CPU part here, GPU part on a GPU): stage_a, stage_b
     bench       benchmarks against the peers (GPU)
     demo        the main job: newest stage on a GPU, or compile everything without one
     compare     one row per stage: what it adds, compile time and resources, GPU error and time
@@ -46,9 +46,20 @@ def tests(session):
     _pytest(session, "-n", os.environ.get("PYTEST_WORKERS", "auto"), "tests")
 
 
-@nox.session
-def stage_a(session):
-    _pytest(session, "-n", os.environ.get("PYTEST_WORKERS", "auto"), "-m", "stage_a", "tests")
+# one session per stage: `nox -s stage_b` runs stage B's tests (CPU part here, GPU part on a GPU)
+STAGE_IDS = ("a", "b")
+
+
+def _stage_session(stage_id):
+    def run(session):
+        _pytest(session, "-n", os.environ.get("PYTEST_WORKERS", "auto"), "-m", f"stage_{stage_id}", "tests")
+
+    run.__doc__ = f"stage {stage_id.upper()}'s tests"
+    return nox.session(name=f"stage_{stage_id}")(run)
+
+
+for _sid in STAGE_IDS:
+    _stage_session(_sid)
 
 
 @nox.session

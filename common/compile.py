@@ -164,3 +164,24 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: int, min_tmem_columns: int = 32):
+    """Compile and assert the budgets every stage kernel keeps: compile time under
+    COMPILE_BUDGET_S (file cache off), no spills, SMEM within SMEM_LIMIT, no ignored
+    setmaxnreg (C7508), and on sm100 a power-of-two TMEM allocation of at least
+    ``min_tmem_columns`` and at most 512 columns. Returns the report."""
+    rep = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S)
+    assert rep.ok, rep.error
+    print(rep.row())
+    assert rep.seconds < COMPILE_BUDGET_S, rep.row()
+    assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, rep.row()
+    assert 0 < rep.smem_bytes <= SMEM_LIMIT, rep.row()
+    assert not any("C7508" in w for w in rep.warnings), rep.warnings
+    if arch == "sm100":
+        cols = rep.tmem_columns
+        assert cols is not None and min_tmem_columns <= cols <= TMEM_COLUMNS, rep.row()
+        assert cols & (cols - 1) == 0, f"TMEM allocations are powers of two: {rep.row()}"
+    else:
+        assert rep.tmem_columns is None, rep.row()
+    return rep

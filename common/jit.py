@@ -66,3 +66,22 @@ def current_stream():
     import cuda.bindings.driver as cuda
 
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def kernel_class(kernels: dict, arch: str):
+    """The kernel class for ``arch`` from a stage's {'sm90': 'module:Class', ...} table
+    (imported on first use, so a stage package imports no kernel until one is needed)."""
+    import importlib
+
+    if arch not in kernels:
+        raise ValueError(f"arch must be one of {sorted(kernels)}; got {arch!r}")
+    module, name = kernels[arch].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args):
+    """The compiled kernel of a stage for (arch, dtype, head dim), compiled on first use."""
+    return cached(
+        (stage_id, arch, dtype, head_dim),
+        lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim), args, arch),
+    )

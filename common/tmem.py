@@ -34,6 +34,14 @@ in R registers. With four consecutive warps whose ``w % 4`` is 0, 1, 2, 3 and
 (The 16xNb atoms spread one lane over several threads and one thread over
 several lanes; they do not have it.) The property is proven on the host, for the
 exact builders below, by ``tests/test_a_sm100_tmem_rows.py``.
+
+P in TMEM
+---------
+Attention keeps P on chip: the softmax writes it as 16-bit values over S's columns and the
+PV MMA reads it from there as its A operand (a TS MMA). The regions of that allocation (S,
+P over S, O), the P store, the PV tiled MMA and the column budget are the second half of
+this module; ``tests/test_b_sm100_tmem_p.py`` proves, with these builders, that every P(m, k)
+is read where it was written and that the rows of S and of O sit on the same thread.
 """
 
 from __future__ import annotations
@@ -147,3 +155,205 @@ def fence_after_thread_sync():
     """``tcgen05.fence::after_thread_sync``: order tcgen05 work after a barrier wait
     behind what the other side did before it (MMA results, finished loads)."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+
+# =======================================================================================
+# P kept in TMEM (stage B): S, P and O of one 128-row Q tile against one 128-key KV tile
+# =======================================================================================
+#
+# Columns of the allocation (fp32 columns from its base; every region spans lanes 0..127):
+#
+#     column   0 ........ 63 | 64 ....... 127 | 128 ........... 128 + head_dim - 1
+#              S (fp32)      | S (fp32)       | O (fp32)
+#                            | = P (16-bit)   |
+#
+# S(m, n) is at lane m, column S_TMEM_COL + n (the QK accumulator). After the softmax has read
+# its whole row of S into registers, it writes P(m, k) as 16-bit values two to a column over
+# S's upper half: lane m, column P_TMEM_COL + k // 2, half k % 2 (half 0 = the low 16 bits).
+# That is where the PV MMA's A operand reads it; O(m, n) is at lane m, column O_TMEM_COL + n.
+#
+# A region is given relative to the allocation base, in units of its element type, because
+# no TMEM pointer exists on the host: ``offset`` + ``layout(coord)`` is the element index e.
+# For 32-bit types e = lane << 16 | column; a 16-bit view counts halves,
+# e = 2 * (lane << 16 | column) + half (``tmem_cell`` decodes either). The kernel turns a
+# region into a tensor with ``region.at(base)``; the host proofs evaluate the same region.
+
+#: first fp32 column of S (the QK accumulator)
+S_TMEM_COL = 0
+#: first fp32 column of P inside S's columns (S's upper half; P needs 128 keys * 16 bit = 64 columns)
+P_TMEM_COL = 64
+#: first fp32 column of O (the PV accumulator), right after S
+O_TMEM_COL = QK_TILE_N
+#: keys of the KV tile = K of the PV MMA = columns of S
+PV_TILE_K = QK_TILE_N
+#: 32-bit columns per tcgen05.st.32x32b of P (.x32: 32 registers, 64 16-bit values per thread)
+P_STORE_COLS = 32
+#: the PV MMA's N is at most this per instruction (cta_group::1, M = 128)
+PV_MAX_N = 256
+
+
+def elems_per_col(dtype) -> int:
+    """Elements of ``dtype`` in one 32-bit TMEM column of a lane (1 for fp32, 2 for 16-bit)."""
+    if 32 % dtype.width:
+        raise ValueError(f"{dtype} does not pack into 32-bit TMEM columns")
+    return 32 // dtype.width
+
+
+def tmem_cell(e: int, width: int) -> tuple[int, int, int]:
+    """(lane, column, half) of element index ``e`` of a TMEM view of ``width``-bit elements
+    (half is 0 for 32-bit views, and 0/1 = low/high 16 bits for 16-bit ones). Host-side."""
+    if width == 32:
+        return (e >> 16, e & 0xFFFF, 0)
+    if width == 16:
+        a = e >> 1
+        return (a >> 16, a & 0xFFFF, e & 1)
+    raise ValueError(f"no TMEM cell rule for {width}-bit elements")
+
+
+class TmemRegion:
+    """A TMEM tensor relative to the allocation base: element ``offset + layout(coord)`` of a
+    ``dtype`` view. Lives only inside a trace (it holds a CuTe layout)."""
+
+    def __init__(self, dtype, offset: int, layout):
+        self.dtype = dtype
+        self.offset = int(offset)
+        self.layout = layout
+
+    @property
+    def first_column(self) -> int:
+        return tmem_cell(self.offset, self.dtype.width)[1]
+
+    def end_column(self) -> int:
+        """One past the last fp32 column the region touches (static layouts only)."""
+        from cutlass.memory import compute_tmem_cols_from_layout
+
+        return self.first_column + int(compute_tmem_cols_from_layout(self.layout, self.dtype))
+
+    def element(self, coord) -> int:
+        """The element index of ``coord`` (host proofs)."""
+        return self.offset + int(cute.crd2idx(coord, self.layout))
+
+    def at(self, base) -> cute.Tensor:
+        """The region as a tensor on the allocation whose base is the fp32 TMEM pointer
+        ``base`` (``TmemAllocator.retrieve_ptr(Float32)``). The offset is applied in whole
+        fp32 columns before the pointer is recast, so a 16-bit offset is halved here exactly
+        once (it was doubled when the region was built)."""
+        per_col = elems_per_col(self.dtype)
+        if self.offset % per_col:
+            raise ValueError(f"region offset {self.offset} is not on a 32-bit column boundary")
+        ptr = base + self.offset // per_col
+        if self.dtype is not ACC_DTYPE:
+            ptr = cute.recast_ptr(ptr, dtype=self.dtype)
+        return cute.make_tensor(ptr, self.layout)
+
+
+def placeholder_tmem_base():
+    """A TMEM fp32 pointer for building copies and MMAs on the host (nothing is allocated);
+    kernels pass the allocated base instead."""
+    return make_acc_fragment(make_qk_tiled_mma(cutlass.BFloat16)).iterator
+
+
+def s_region(ab_dtype) -> TmemRegion:
+    """S, the QK accumulator ``(MMA, 1, 1)``: fp32, S(m, n) at lane m, column S_TMEM_COL + n.
+    (Regions build their own tiled MMA: only its layouts are used, and a kernel's tiled MMA
+    carries per-warp state, the accumulate flag, that must not leak into other warps' code.)"""
+    return TmemRegion(ACC_DTYPE, S_TMEM_COL, make_acc_fragment(make_qk_tiled_mma(ab_dtype)).layout)
+
+
+def s_region_16bit(dtype) -> TmemRegion:
+    """S's columns seen as 16-bit values: ``(128, 2 * QK_TILE_N)``, (m, j) at lane m,
+    column S_TMEM_COL + j // 2, half j % 2 (the fp32 layout recast to 16-bit elements)."""
+    s32 = acc_tile(make_acc_fragment(make_qk_tiled_mma(dtype))).layout  # (128,128):(65536,1)
+    return TmemRegion(
+        dtype,
+        S_TMEM_COL * elems_per_col(dtype),
+        cute.recast_layout(dtype.width, ACC_DTYPE.width, s32),
+    )
+
+
+def p_region(dtype) -> TmemRegion:
+    """P ``(128, PV_TILE_K)`` in the 16-bit view of S: P(m, k) = S16(m, first + k) with
+    first = (P_TMEM_COL - S_TMEM_COL) columns * 2 values per column."""
+    s16 = s_region_16bit(dtype)
+    first = (P_TMEM_COL - S_TMEM_COL) * elems_per_col(dtype)
+    return TmemRegion(
+        dtype,
+        s16.element((0, first)),
+        cute.composition(s16.layout, cute.make_layout((QK_TILE_M, PV_TILE_K))),
+    )
+
+
+def p_chunk_view(tile, dtype, store_cols: int = P_STORE_COLS):
+    """Any ``(128, PV_TILE_K)`` P tile (the TMEM region's layout, the identity coordinates)
+    cut into store chunks: ``(128, vals, 1, PV_TILE_K / vals)`` with vals = the 16-bit values
+    one tcgen05.st.32x32b.x<store_cols> writes per lane; chunk c is ``[.., 0, c]``."""
+    return cute.flat_divide(tile, (QK_TILE_M, store_cols * elems_per_col(dtype)))
+
+
+def p_store_region(dtype, store_cols: int = P_STORE_COLS) -> TmemRegion:
+    """P's region cut into store chunks (``p_chunk_view``)."""
+    p = p_region(dtype)
+    return TmemRegion(dtype, p.offset, p_chunk_view(p.layout, dtype, store_cols))
+
+
+def make_p_tmem_store(p_chunks: cute.Tensor, store_cols: int = P_STORE_COLS, op=None) -> cute.TiledCopy:
+    """Register -> TMEM store of P, one chunk of ``store_cols`` 32-bit columns at a time:
+    the ``tcgen05.st.32x32b.x<store_cols>`` atom over P's 16-bit element type, for 128 threads.
+
+    ``p_chunks`` is ``p_store_region(dtype, store_cols).at(base)``. Thread t (warp t // 32,
+    lane t % 32 of that warp) writes lane t; its 16-bit values 2r and 2r + 1 travel in register
+    r, low half first, to column (chunk's first) + r. Slice with ``get_slice(t)``;
+    ``partition_S`` of the P tile's identity (cut the same way) says which (m, k) each register
+    value must hold. ``op`` overrides the atom (negative controls only)."""
+    if op is None:
+        op = tcgen05.St32x32bOp(tcgen05.Repetition(store_cols))
+    atom = cute.make_copy_atom(op, p_chunks.element_type)
+    return tcgen05.make_tmem_copy(atom, p_chunks[None, None, 0, 0])
+
+
+def make_pv_tiled_mma(ab_dtype, head_dim: int) -> cute.TiledMma:
+    """The tcgen05 MMA for O = P V: cta_group::1, M = 128, N = head_dim, K = 16 per
+    instruction; A = P from TMEM (K-major, the only TMEM form), B = V from SMEM, MN-major
+    (V is (keys, head_dim) with head_dim contiguous, i.e. N-contiguous); fp32 O in TMEM."""
+    if head_dim > PV_MAX_N or head_dim % 16:
+        raise ValueError(f"PV MMA N = head_dim must be a multiple of 16 and <= {PV_MAX_N}; got {head_dim}")
+    op = tcgen05.MmaF16BF16Op(
+        ab_dtype,
+        ACC_DTYPE,
+        (QK_TILE_M, head_dim, MMA_INST_K),
+        tcgen05.CtaGroup.ONE,
+        tcgen05.OperandSource.TMEM,
+        OperandMajorMode.K,
+        OperandMajorMode.MN,
+    )
+    return cute.make_tiled_mma(op)
+
+
+def p_operand_region(dtype, head_dim: int) -> TmemRegion:
+    """The PV MMA's A operand over P: ``(MMA, 1, K_PHASES)``, one k-phase of 16 keys per
+    instruction. ``make_fragment_A`` gives the layout only (its pointer is a placeholder
+    at 0), so the fragment is re-based explicitly onto P's offset."""
+    pv = make_pv_tiled_mma(dtype, head_dim)
+    frag = pv.make_fragment_A(pv.partition_shape_A((QK_TILE_M, PV_TILE_K)))
+    return TmemRegion(dtype, p_region(dtype).offset, frag.layout)
+
+
+def o_region(dtype, head_dim: int) -> TmemRegion:
+    """O, the PV accumulator ``(MMA, 1, 1)``: fp32, O(m, n) at lane m, column O_TMEM_COL + n."""
+    pv = make_pv_tiled_mma(dtype, head_dim)
+    acc = pv.make_fragment_C(pv.partition_shape_C((QK_TILE_M, head_dim)))
+    return TmemRegion(ACC_DTYPE, O_TMEM_COL, acc.layout)
+
+
+def attention_tmem_columns(dtype, head_dim: int) -> int:
+    """The column count to allocate for S (+ P over it) and O, computed from the regions'
+    layouts (call inside a trace). Raises if P leaves S's columns or O overlaps S."""
+    s, p, o = s_region(dtype), p_region(dtype), o_region(dtype, head_dim)
+    if not (s.first_column <= p.first_column and p.end_column() <= s.end_column()):
+        raise ValueError(
+            f"P (columns {p.first_column}..{p.end_column() - 1}) must lie inside S "
+            f"({s.first_column}..{s.end_column() - 1})"
+        )
+    if o.first_column < s.end_column() and s.first_column < o.end_column():
+        raise ValueError("O overlaps S in TMEM")
+    return tmem_alloc_columns(max(s.end_column(), o.end_column()))

@@ -29,7 +29,7 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def check_bshd(name: str, t, head_dims) -> None:
+def check_bshd(name: str, t, head_dims, min_seqlen: int = 1) -> None:
     """One [batch, seqlen, heads, head_dim] input."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -44,8 +44,8 @@ def check_bshd(name: str, t, head_dims) -> None:
         raise ValueError(f"{name} head_dim must be one of {sorted(head_dims)}; got {d}")
     if b < 1 or h < 1:
         raise ValueError(f"{name} needs batch >= 1 and heads >= 1; got shape {tuple(t.shape)}")
-    if s < 1:
-        raise ValueError(f"{name} needs seqlen >= 1; got shape {tuple(t.shape)}")
+    if s < min_seqlen:
+        raise ValueError(f"{name} needs seqlen >= {min_seqlen}; got shape {tuple(t.shape)}")
     if t.stride(3) != 1:
         raise ValueError(f"{name} must have head_dim contiguous (stride 1); got strides {t.stride()}")
     elem = t.element_size()
@@ -65,10 +65,10 @@ def check_same(ref_name: str, ref, name: str, t) -> None:
         raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}); got {t.device}")
 
 
-def check_qk(q, k, head_dims) -> None:
+def check_qk(q, k, head_dims, min_seqlen_k: int = 1) -> None:
     """q [b, sq, h, d], k [b, sk, hk, d]: same dtype, device, batch, head_dim; hk divides h."""
     check_bshd("q", q, head_dims)
-    check_bshd("k", k, head_dims)
+    check_bshd("k", k, head_dims, min_seqlen_k)
     check_same("q", q, "k", k)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k batch must equal q batch ({q.shape[0]}); got {k.shape[0]}")
@@ -88,3 +88,15 @@ def check_out(name: str, t, shape, dtype, device) -> None:
         raise ValueError(f"{name} must be on {device}; got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
+
+
+def check_qkv(q, k, v, head_dims, max_seqlen_k: int | None = None, too_long: str = "") -> None:
+    """q, k, v of an attention stage: q/k as ``check_qk`` (seqlen_k = 0 allowed: every row is
+    empty), v of k's shape, dtype and device, and seqlen_k at most ``max_seqlen_k``."""
+    check_qk(q, k, head_dims, min_seqlen_k=0)
+    check_bshd("v", v, head_dims, min_seqlen=0)
+    check_same("k", k, "v", v)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}; got {tuple(v.shape)}")
+    if max_seqlen_k is not None and k.shape[1] > max_seqlen_k:
+        raise ValueError(f"seqlen_k must be at most {max_seqlen_k} for this stage; got {k.shape[1]}{too_long}")

@@ -56,7 +56,38 @@ def bench_stage_a(dev) -> list:
     return rows
 
 
-BENCHES = {"a": bench_stage_a}
+def bench_stage_b(dev) -> list:
+    """One KV tile (seqlen_k = 128) against FlashAttention-4 and cuDNN on the same tensors."""
+    from stages import b_p_onchip as stage
+
+    rows = []
+    b, h, sq, sk = 4, 16, 8192, stage.KV_TILE
+    for d in stage.HEAD_DIMS:
+        per_set = 2 * (2 * b * sq * h * d + 2 * b * sk * h * d)
+        n = bench.rotation_count(per_set, maximum=8)
+        sets = [tuple(random_bshd(b, s, h, d, torch.bfloat16, dev) for s in (sq, sk, sk)) for _ in range(n)]
+        ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v) for q, k, v in sets])
+        flop = stage.flops(b, sq, sk, h, d)
+        peers, peer_ms = {}, {}
+        for name, make in (("fa4", bench.peer_fa4), ("cudnn", bench.peer_cudnn)):
+            try:
+                t = bench.time_ms([make(q, k, v) for q, k, v in sets])
+                peers[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+                print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+        rows.append({
+            "stage": "b", "case": f"b{b} h{h} sq{sq} sk{sk} hd{d} bf16",
+            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
+            "peers": peers, "peer_ms": peer_ms,
+            "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()},
+        })
+        print(f"stage b hd{d}: ours {ms:.3f} ms ({rows[-1]['ours_tflops']} TFLOP/s)  peers {peers}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+BENCHES = {"a": bench_stage_a, "b": bench_stage_b}
 
 
 def run(stages=None) -> list:

@@ -22,20 +22,11 @@ DTYPES = (torch.bfloat16, torch.float16)
 MAX_GRID_Z = 65535  # CTAs along z, one per (head, batch)
 
 
-def kernel_class(arch: str):
-    if arch == "sm90":
-        from stages.a_qk_gemm.sm90 import QKGemmSm90
-
-        return QKGemmSm90
-    if arch == "sm100":
-        from stages.a_qk_gemm.sm100 import QKGemmSm100
-
-        return QKGemmSm100
-    raise ValueError(f"arch must be 'sm90' or 'sm100'; got {arch!r}")
+KERNELS = {"sm90": "stages.a_qk_gemm.sm90:QKGemmSm90", "sm100": "stages.a_qk_gemm.sm100:QKGemmSm100"}
 
 
 def make_kernel(arch: str, dtype: torch.dtype, head_dim: int):
-    return kernel_class(arch)(jit.cutlass_dtype(dtype), head_dim)
+    return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim)
 
 
 def example_args(dtype: torch.dtype, head_dim: int, device="cpu"):
@@ -47,13 +38,6 @@ def example_args(dtype: torch.dtype, head_dim: int, device="cpu"):
     k = torch.empty(2, 200, 2, head_dim, dtype=dtype, device=device)
     s = torch.empty(2, 4, 300, 200, dtype=torch.float32, device=device)
     return [jit.as_cute(q), jit.as_cute(k), jit.as_cute(s), cutlass.Float32(0.125), make_fake_stream()]
-
-
-def _compiled(arch, dtype, head_dim, args):
-    return jit.cached(
-        (ID, arch, dtype, head_dim),
-        lambda: jit.compile_kernel(make_kernel(arch, dtype, head_dim), args, arch),
-    )
 
 
 def forward(
@@ -79,7 +63,7 @@ def forward(
     arch = arch_of_device(q.device)
     s = torch.empty(shape, dtype=torch.float32, device=q.device) if out is None else out
     args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(s), cutlass.Float32(scale), jit.current_stream()]
-    _compiled(arch, q.dtype, d, args)(*args)
+    jit.stage_kernel(ID, KERNELS, arch, q.dtype, d, args)(*args)
     return s
 
 

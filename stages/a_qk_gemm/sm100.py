@@ -73,11 +73,18 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cute.nvgpu import cpasync
 
 from common.layouts import scores_major, seq_major
+from common.sm100_qk import (
+    K_BLOCK,
+    QK_MMA_TILER,
+    issue_qk_mmas,
+    load_qk_kblocks,
+    make_qk_smem_layouts,
+    make_qk_tma_atoms,
+)
 from common.tmem import (
     EPI_COLS,
     EPI_THREADS,
@@ -92,7 +99,6 @@ from common.tmem import (
     make_qk_tiled_mma,
 )
 
-K_BLOCK = 64  # head-dim elements per pipeline stage: 128 bytes of 16-bit data, one SW128 atom
 MAX_STAGES = 4
 VEC = 4  # fp32 per 16-byte store
 
@@ -109,7 +115,7 @@ class QKGemmSm100:
             raise ValueError(f"QKGemmSm100: head_dim must be 64, 128, 256 or 512, got {head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
-        self.mma_tiler = (QK_TILE_M, QK_TILE_N, K_BLOCK)
+        self.mma_tiler = QK_MMA_TILER  # (128, 128, K_BLOCK): one head-dim k-block per stage
         self.num_k_blocks = head_dim // K_BLOCK
         self.num_stages = min(self.num_k_blocks, MAX_STAGES)
 
@@ -144,21 +150,10 @@ class QKGemmSm100:
         s = scores_major(mS)
 
         tiled_mma = make_qk_tiled_mma(self.dtype, self.mma_tiler[:2])
-        q_smem_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.dtype, self.num_stages)
-        k_smem_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.dtype, self.num_stages)
-        q_smem_stage = cute.select(q_smem_staged, mode=[0, 1, 2])
-        k_smem_stage = cute.select(k_smem_staged, mode=[0, 1, 2])
-
-        tma_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_op, q, q_smem_stage, self.mma_tiler, tiled_mma
-        )
-        tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_op, k, k_smem_stage, self.mma_tiler, tiled_mma
-        )
+        q_smem_staged, k_smem_staged = make_qk_smem_layouts(tiled_mma, self.dtype, self.num_stages)
         # bytes one stage receives; TMA counts full boxes even where it zero-fills
-        self.tma_stage_bytes = cute.size_in_bytes(self.dtype, q_smem_stage) + cute.size_in_bytes(
-            self.dtype, k_smem_stage
+        tma_atom_q, tma_q, tma_atom_k, tma_k, self.tma_stage_bytes = make_qk_tma_atoms(
+            tiled_mma, q, k, q_smem_staged, k_smem_staged, self.dtype
         )
 
         self.tmem_columns = acc_tmem_columns(make_acc_fragment(tiled_mma, self.mma_tiler[:2]))
@@ -262,7 +257,6 @@ class QKGemmSm100:
         #  TMA warp: k-block kb of Q's row tile m_blk and of K's row tile n_blk
         # ///////////////////////////////////////////////////////////////////////////
         if warp_idx == self.tma_warp:
-            thr_mma = tiled_mma.get_slice(0)
             # (128, 64, KB): the tile's rows, cut along head_dim into k-blocks
             gQ = cute.local_tile(
                 mQ[None, None, h, b], cute.select(self.mma_tiler, mode=[0, 2]), (m_blk, None)
@@ -270,25 +264,9 @@ class QKGemmSm100:
             gK = cute.local_tile(
                 mK[None, None, hk, b], cute.select(self.mma_tiler, mode=[1, 2]), (n_blk, None)
             )
-            # ((atom_v, rest_v), STAGE) and ((atom_v, rest_v), KB)
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sQ, 0, 3),
-                cute.group_modes(thr_mma.partition_A(gQ), 0, 3),
+            ab_producer = load_qk_kblocks(
+                tiled_mma, tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, ab_producer, self.num_k_blocks
             )
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_k,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sK, 0, 3),
-                cute.group_modes(thr_mma.partition_B(gK), 0, 3),
-            )
-            for kb in cutlass.range(self.num_k_blocks, unroll=1):
-                stage = ab_producer.acquire_and_advance()  # empty[s] free, full[s] expects the bytes
-                cute.copy(tma_atom_q, tQgQ[None, kb], tQsQ[None, stage.index], tma_bar_ptr=stage.barrier)
-                cute.copy(tma_atom_k, tKgK[None, kb], tKsK[None, stage.index], tma_bar_ptr=stage.barrier)
             ab_producer.tail()
 
         # ///////////////////////////////////////////////////////////////////////////
@@ -300,20 +278,9 @@ class QKGemmSm100:
             tmem.wait_for_alloc()
             tStS = cute.make_tensor(tmem.retrieve_ptr(Float32), acc_layout)
 
-            # (MMA, MMA_M, MMA_K, STAGE) SMEM descriptors
-            tCrQ = tiled_mma.make_fragment_A(sQ)
-            tCrK = tiled_mma.make_fragment_B(sK)
-            num_k_phases = cute.size(tCrQ, mode=[2])
-
             acc_slot = acc_producer.acquire_and_advance()  # single tile: the slot is free
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-            for _kb in cutlass.range(self.num_k_blocks, unroll=1):
-                stage = ab_consumer.wait_and_advance()
-                for kp in cutlass.range_constexpr(num_k_phases):
-                    coord = (None, None, kp, stage.index)
-                    cute.gemm(tiled_mma, tStS, tCrQ[coord], tCrK[coord], tStS)
-                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                stage.release()  # tcgen05.commit -> empty[s] once these MMAs have read SMEM
+            # stages are released (tcgen05.commit -> empty[s]): the ring wraps at head_dim 512
+            ab_consumer = issue_qk_mmas(tiled_mma, tStS, sQ, sK, ab_consumer, self.num_k_blocks, True)
             acc_slot.commit()  # tcgen05.commit -> acc.full once every MMA has landed in TMEM
 
             # dealloc only after the epilogue's last tcgen05.ld

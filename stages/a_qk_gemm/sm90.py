@@ -61,24 +61,24 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from common.layouts import scores_major, seq_major
+from common.sm90_gemm import (  # noqa: F401 - TILE_K, NUM_MMA_WARPGROUPS: part of this module's surface
+    NUM_MMA_WARPGROUPS,
+    NUM_THREADS,
+    THREADS_PER_WARPGROUP,
+    TILE_K,
+    TILE_M,
+    TILE_N,
+    make_smem_layouts,
+    make_tiled_mma,
+    make_tma_load,
+    num_k_blocks,
+)
 
-TILE_M = 128  # queries per CTA (2 warpgroups x 64 rows)
-TILE_N = 128  # keys per CTA
-TILE_K = 64  # head-dim elements per k-block: one 128-byte swizzle row (16-bit)
 MAX_STAGES = 4  # 4 x 32 KiB of SMEM
-NUM_MMA_WARPGROUPS = 2
-THREADS_PER_WARPGROUP = 128
-NUM_THREADS = NUM_MMA_WARPGROUPS * THREADS_PER_WARPGROUP
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
-
-
-def num_k_blocks(head_dim: int) -> int:
-    return head_dim // TILE_K
 
 
 def num_stages(head_dim: int, max_stages: int = MAX_STAGES) -> int:
@@ -89,46 +89,6 @@ def num_stages(head_dim: int, max_stages: int = MAX_STAGES) -> int:
     if stages < num_k_blocks(head_dim) and stages < 2:
         raise ValueError("a refilled pipeline needs at least 2 stages")
     return stages
-
-
-def make_tiled_mma(dtype: type[cutlass.Numeric]) -> cute.TiledMma:
-    """wgmma 64x128x16, fp32 accumulators, A and B K-major in SMEM; two atoms
-    stacked along M give the 128-row CTA tile (one per warpgroup)."""
-    return sm90_utils.make_trivial_tiled_mma(
-        dtype,
-        dtype,
-        OperandMajorMode.K,
-        OperandMajorMode.K,
-        cutlass.Float32,
-        (NUM_MMA_WARPGROUPS, 1, 1),
-        tiler_mn=(TILE_M // NUM_MMA_WARPGROUPS, TILE_N),
-    )
-
-
-def make_smem_layouts(
-    dtype: type[cutlass.Numeric], stages: int
-) -> tuple[cute.ComposedLayout, cute.ComposedLayout]:
-    """Staged (rows, TILE_K, stages) layouts of the Q and K rings: K-major with
-    the 128B swizzle (TILE_K 16-bit elements are exactly one 128 B row)."""
-    atom = warpgroup.make_smem_layout_atom(
-        warpgroup.SmemLayoutAtomKind.K_SW128, dtype
-    )
-    sQ_layout = cute.tile_to_shape(atom, (TILE_M, TILE_K, stages), order=(0, 1, 2))
-    sK_layout = cute.tile_to_shape(atom, (TILE_N, TILE_K, stages), order=(0, 1, 2))
-    return sQ_layout, sK_layout
-
-
-def make_tma_load(
-    m_sdhb: cute.Tensor, smem_layout_staged: cute.ComposedLayout, rows: int
-) -> tuple[cute.CopyAtom, cute.Tensor]:
-    """TMA load of a (rows, TILE_K) box from a (seqlen, head_dim, heads, batch)
-    tensor into one stage of smem_layout_staged."""
-    return cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(),
-        m_sdhb,
-        cute.slice_(smem_layout_staged, (None, None, 0)),
-        (rows, TILE_K),
-    )
 
 
 class QKGemmSm90:

@@ -17,7 +17,7 @@ import torch
 
 from common import jit
 from common.arch import arch_of_device
-from common.validation import check_out, check_qk, check_same, check_scale, check_bshd
+from common.validation import check_out, check_qkv, check_scale
 
 ID = "b"
 NAME = "p_onchip"
@@ -26,22 +26,17 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 KV_TILE = 128
 LOG2E = math.log2(math.e)
+MAX_GRID_YZ = 65535  # grid = (q tiles, heads, batch)
 
 
-def kernel_class(arch: str):
-    if arch == "sm90":
-        from stages.b_p_onchip.sm90 import AttentionOneTileSm90
-
-        return AttentionOneTileSm90
-    if arch == "sm100":
-        from stages.b_p_onchip.sm100 import AttentionOneTileSm100
-
-        return AttentionOneTileSm100
-    raise ValueError(f"arch must be 'sm90' or 'sm100'; got {arch!r}")
+KERNELS = {
+    "sm90": "stages.b_p_onchip.sm90:AttentionOneTileSm90",
+    "sm100": "stages.b_p_onchip.sm100:AttentionOneTileSm100",
+}
 
 
 def make_kernel(arch: str, dtype: torch.dtype, head_dim: int):
-    return kernel_class(arch)(jit.cutlass_dtype(dtype), head_dim)
+    return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim)
 
 
 def example_args(dtype: torch.dtype, head_dim: int, device="cpu"):
@@ -56,30 +51,6 @@ def example_args(dtype: torch.dtype, head_dim: int, device="cpu"):
             cutlass.Float32(0.125 * LOG2E), make_fake_stream()]
 
 
-def check_inputs(q, k, v, head_dims, max_seqlen_k=None, stage_hint=""):
-    """q, k, v for an attention stage; seqlen_k may be 0 (empty rows) but not past ``max_seqlen_k``."""
-    check_bshd("v", v, head_dims) if isinstance(v, torch.Tensor) and v.shape[1] > 0 else None
-    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] == 0:
-        # seqlen_k = 0 is legal: every row is empty. Check the rest on a 1-row view.
-        check_qk(q, k.new_empty(k.shape[0], 1, *k.shape[2:]), head_dims)
-    else:
-        check_qk(q, k, head_dims)
-    if not isinstance(v, torch.Tensor):
-        raise ValueError(f"v must be a torch.Tensor; got {type(v).__name__}")
-    check_same("k", k, "v", v)
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}; got {tuple(v.shape)}")
-    if max_seqlen_k is not None and k.shape[1] > max_seqlen_k:
-        raise ValueError(f"seqlen_k must be at most {max_seqlen_k} for this stage; got {k.shape[1]}{stage_hint}")
-
-
-def _compiled(arch, dtype, head_dim, args):
-    return jit.cached(
-        (ID, arch, dtype, head_dim),
-        lambda: jit.compile_kernel(make_kernel(arch, dtype, head_dim), args, arch),
-    )
-
-
 def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=None):
     """O[b, i, h, :] = sum_j softmax_j(scale * q_i . k_j) v_j and LSE[b, h, i] (natural log, fp32).
 
@@ -90,9 +61,11 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     """
     import cutlass
 
-    check_inputs(q, k, v, HEAD_DIMS, KV_TILE, " (one KV tile); use stage C for longer sequences")
+    check_qkv(q, k, v, HEAD_DIMS, KV_TILE, " (one KV tile); stage C serves longer sequences")
     scale = check_scale(softmax_scale, q.shape[3])
     b, sq, h, d = q.shape
+    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        raise ValueError(f"heads and batch must each be at most {MAX_GRID_YZ} (grid y, z); got {h}, {b}")
     if out is not None:
         check_out("out", out, tuple(q.shape), q.dtype, q.device)
     if lse_out is not None:
@@ -106,7 +79,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
         return o, lse
     args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(o), jit.as_cute(lse),
             cutlass.Float32(scale * LOG2E), jit.current_stream()]
-    _compiled(arch, q.dtype, d, args)(*args)
+    jit.stage_kernel(ID, KERNELS, arch, q.dtype, d, args)(*args)
     return o, lse
 
 
