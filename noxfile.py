@@ -3,7 +3,7 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
 (no virtualenv, nothing installed: the machine brings torch, the pack brings CuTeDSL).
 
     tests       all tests (GPU tests skip, saying why, where their architecture is absent)
-    stage_<id>  one stage's tests (CPU part here, GPU part on a GPU): stage_a, stage_b
+    stage_<id>  one stage's tests (CPU part here, GPU part on a GPU): stage_a, stage_b, stage_c
     bench       benchmarks against the peers (GPU)
     demo        the main job: newest stage on a GPU, or compile everything without one
     compare     one row per stage: what it adds, compile time and resources, GPU error and time
@@ -13,6 +13,7 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
 """
 
 import os
+import shutil
 import sys
 
 import nox
@@ -21,14 +22,16 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 # On the CPU machines `pip install torch==2.13.0` takes the CPU build from a local file;
-# a looser request would download a multi-GB CUDA build.
+# a looser request would download a multi-GB CUDA build. A machine with an NVIDIA driver
+# gets the CUDA build the project's range selects.
 CPU_TORCH = "torch==2.13.0"
+GPU_TORCH = "torch>=2.11,<2.14"
 
 
 def _install(session, extras="test"):
     if session.virtualenv.venv_backend == "none":
         return  # GPU machine: everything is already importable
-    session.install(CPU_TORCH)
+    session.install(GPU_TORCH if shutil.which("nvidia-smi") else CPU_TORCH)
     session.install("-e", f".[{extras}]")
 
 
@@ -47,7 +50,7 @@ def tests(session):
 
 
 # one session per stage: `nox -s stage_b` runs stage B's tests (CPU part here, GPU part on a GPU)
-STAGE_IDS = ("a", "b")
+STAGE_IDS = ("a", "b", "c")
 
 
 def _stage_session(stage_id):

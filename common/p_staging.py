@@ -32,16 +32,22 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
+from cutlass.cutlass_dsl import T, dsl_user_op
 
-from common.sm90_gemm import make_tiled_mma
+from common.sm90_gemm import NUM_MMA_WARPGROUPS, make_tiled_mma
 
 
-def make_pv_tiled_mma(dtype: type[cutlass.Numeric], head_dim: int) -> cute.TiledMma:
+def make_pv_tiled_mma(
+    dtype: type[cutlass.Numeric], head_dim: int, warpgroups: int = NUM_MMA_WARPGROUPS
+) -> cute.TiledMma:
     """O = P V: wgmma 64 x head_dim x 16 per warpgroup, A = P from registers
     (K-major: keys are its K), B = V from SMEM, MN-major (head_dim contiguous)."""
-    return make_tiled_mma(dtype, head_dim, b_major=OperandMajorMode.MN, a_source=warpgroup.OperandSource.RMEM)
+    return make_tiled_mma(
+        dtype, head_dim, b_major=OperandMajorMode.MN, a_source=warpgroup.OperandSource.RMEM, warpgroups=warpgroups
+    )
 
 
 def acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -69,3 +75,35 @@ def convert_p(acc: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     p = cute.make_rmem_tensor(acc.layout, dtype)
     p.store(acc.load().to(dtype))
     return as_a_operand(p)
+
+
+@dsl_user_op
+def _cvt_pair(
+    lo: cutlass.Float32, hi: cutlass.Float32, dtype: cutlass.Constexpr, *, loc=None, ip=None
+) -> cutlass.Int32:
+    """Two fp32 values rounded (to nearest even) into one 32-bit register of two
+    16-bit values, ``lo`` in the low half (the lower column, as the A operand packs them)."""
+    name = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Float32(lo).ir_value(loc=loc, ip=ip), cutlass.Float32(hi).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{name}.f32 $0, $2, $1;",  # cvt d, a, b puts a in the high half
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def convert_p_packed(acc: cute.Tensor, p: cute.Tensor):
+    """``convert_p`` into an existing 16-bit fragment ``p`` (laid out like ``acc``),
+    one ``cvt.rn.{bf16,f16}x2.f32`` per register pair whatever the tile width (the
+    generic conversion falls back to one value at a time for widths other than 128)."""
+    if cutlass.const_expr(p.element_type.width != 16):
+        raise TypeError(f"P must be a 16-bit type; got {p.element_type}")
+    pairs = cute.recast_tensor(p, cutlass.Int32)
+    for i in cutlass.range_constexpr(cute.size(pairs)):
+        pairs[i] = _cvt_pair(acc[2 * i], acc[2 * i + 1], p.element_type)

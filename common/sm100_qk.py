@@ -14,6 +14,10 @@ any head dim up to 512 fits SMEM through a ring of stages. Each k-block is one s
 
 SMEM per stage and operand: 128 rows x 64 elements, K-major, 128B swizzle (atom 8 rows x 128 B,
 Swizzle<3,4,3>): S<3,4,3> o ((128,16),1,4,STAGES):((64,1),0,16,8192), 16 KiB, 1024-byte aligned.
+
+Kernels that stream many K tiles (stage C on) keep whole tiles instead: ``qk_tile_tiler(head_dim)``
+as the tiler gives one 128 x head_dim block per stage, ((128,16),1,(4,D/64),STAGES) with the
+64-element swizzle atoms side by side, and ``issue_qk_tile`` issues one tile's head_dim / 16 MMAs.
 """
 
 from __future__ import annotations
@@ -32,22 +36,31 @@ K_BLOCK = 64
 QK_MMA_TILER = (QK_TILE_M, QK_TILE_N, K_BLOCK)
 
 
-def make_qk_smem_layouts(tiled_mma: cute.TiledMma, dtype, num_stages: int):
-    """(q_smem, k_smem): the staged SMEM layouts of the Q and K k-blocks, ``(MMA, MMA_M/N, MMA_K, STAGE)``."""
-    q_smem = sm100_utils.make_smem_layout_a(tiled_mma, QK_MMA_TILER, dtype, num_stages)
-    k_smem = sm100_utils.make_smem_layout_b(tiled_mma, QK_MMA_TILER, dtype, num_stages)
+def qk_tile_tiler(head_dim: int):
+    """The MMA tiler of a whole 128 x 128 S tile over the full head dim, (M, N, K = head_dim):
+    for kernels that keep a whole Q / K tile per stage instead of k-blocks (stage C on)."""
+    return (QK_TILE_M, QK_TILE_N, head_dim)
+
+
+def make_qk_smem_layouts(tiled_mma: cute.TiledMma, dtype, num_stages: int, tiler=QK_MMA_TILER, k_stages=None):
+    """(q_smem, k_smem): the staged SMEM layouts of Q and K, ``(MMA, MMA_M/N, MMA_K, STAGE)``, one
+    ``tiler`` (M, N, K) block per stage: a k-block (the default) or a whole tile (``qk_tile_tiler``).
+    ``k_stages`` gives K its own stage count (default: ``num_stages``)."""
+    q_smem = sm100_utils.make_smem_layout_a(tiled_mma, tiler, dtype, num_stages)
+    k_smem = sm100_utils.make_smem_layout_b(tiled_mma, tiler, dtype, num_stages if k_stages is None else k_stages)
     return q_smem, k_smem
 
 
-def make_qk_tma_atoms(tiled_mma: cute.TiledMma, q: cute.Tensor, k: cute.Tensor, q_smem, k_smem, dtype):
-    """TMA loads of one k-block of Q's and of K's row tile, for ``q`` / ``k`` in the
-    (seqlen, head_dim, heads, batch) view. Returns (tma_atom_q, tma_q, tma_atom_k, tma_k,
-    stage_bytes), stage_bytes being what one stage's full barrier receives."""
+def make_qk_tma_atoms(tiled_mma: cute.TiledMma, q: cute.Tensor, k: cute.Tensor, q_smem, k_smem, dtype,
+                      tiler=QK_MMA_TILER):
+    """TMA loads of one ``tiler`` block (a k-block by default) of Q's and of K's row tile, for
+    ``q`` / ``k`` in the (seqlen, head_dim, heads, batch) view. Returns (tma_atom_q, tma_q,
+    tma_atom_k, tma_k, stage_bytes), stage_bytes being one Q block's plus one K block's bytes."""
     q_stage = cute.select(q_smem, mode=[0, 1, 2])
     k_stage = cute.select(k_smem, mode=[0, 1, 2])
     op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-    tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(op, q, q_stage, QK_MMA_TILER, tiled_mma)
-    tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(op, k, k_stage, QK_MMA_TILER, tiled_mma)
+    tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(op, q, q_stage, tiler, tiled_mma)
+    tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(op, k, k_stage, tiler, tiled_mma)
     stage_bytes = cute.size_in_bytes(dtype, q_stage) + cute.size_in_bytes(dtype, k_stage)
     return tma_atom_q, tma_q, tma_atom_k, tma_k, stage_bytes
 
@@ -120,3 +133,15 @@ def issue_qk_mmas(
         if const_expr(release_stages):
             stage.release()  # tcgen05.commit -> empty[s] once these MMAs have read SMEM
     return consumer
+
+
+@cute.jit
+def issue_qk_tile(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrQ: cute.Tensor, tCrK: cute.Tensor):
+    """MMA warp: acc = Q K^T for one whole tile, ``tCrQ`` / ``tCrK`` being one stage's SMEM
+    descriptors ``(MMA, MMA_M/N, MMA_K)`` over the full head dim: head_dim / 16 tcgen05.mma, the
+    first with accumulate off (it zero-initialises acc). The caller waits for the operands and
+    commits the accumulator."""
+    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+    for kp in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+        cute.gemm(tiled_mma, acc, tCrQ[None, None, kp], tCrK[None, None, kp], acc)
+        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)

@@ -48,17 +48,19 @@ def make_tiled_mma(
     *,
     b_major: OperandMajorMode = OperandMajorMode.K,
     a_source: warpgroup.OperandSource = warpgroup.OperandSource.SMEM,
+    warpgroups: int = NUM_MMA_WARPGROUPS,
 ) -> cute.TiledMma:
-    """wgmma 64 x tile_n x 16, fp32 accumulators; two atoms stacked along M give
-    the 128-row CTA tile (one per warpgroup). A is K-major (from SMEM, or from
-    registers with a_source=RMEM); B is K-major (QK: K rows) or MN-major (PV: V)."""
+    """wgmma 64 x tile_n x 16, fp32 accumulators; ``warpgroups`` atoms stacked
+    along M give the CTA tile (64 rows per warpgroup: 128 by default). A is
+    K-major (from SMEM, or from registers with a_source=RMEM); B is K-major
+    (QK: K rows) or MN-major (PV: V)."""
     return sm90_utils.make_trivial_tiled_mma(
         dtype,
         dtype,
         OperandMajorMode.K,
         b_major,
         cutlass.Float32,
-        (NUM_MMA_WARPGROUPS, 1, 1),
+        (warpgroups, 1, 1),
         tiler_mn=(WGMMA_M, tile_n),
         a_source=a_source,
     )
@@ -110,3 +112,64 @@ def make_tma_store(
         cute.slice_(smem_layout_staged, (None, None, 0)),
         (rows, TILE_K),
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Whole (rows, head_dim) tiles in a ring of stages (stage C on): one layout per buffer,
+# head-dim k-blocks folded into the column mode.
+
+
+def make_tile_smem_layout(
+    dtype: type[cutlass.Numeric], rows: int, head_dim: int, stages: int
+) -> cute.ComposedLayout:
+    """(rows, head_dim, stages), K-major, 128B swizzle: the 64-column k-blocks of
+    one stage one after the other, as ``make_kmajor_smem_layout(dtype, rows,
+    head_dim // TILE_K)`` lays them out, then the stages:
+
+        S<3,4,3> o ((8,rows/8),(64,kb),stages):((64,512),(1,rows*64),rows*head_dim)
+    """
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+    return cute.tile_to_shape(atom, (rows, head_dim, stages), order=(0, 1, 2))
+
+
+def make_tile_smem_layout_mn(
+    dtype: type[cutlass.Numeric], rows: int, head_dim: int, stages: int
+) -> cute.ComposedLayout:
+    """(head_dim, rows, stages): the same bytes as ``make_tile_smem_layout`` read
+    as an MN-major operand (V as the B of O = P V, keys are its K):
+
+        S<3,4,3> o ((64,kb),(8,rows/8),stages):((1,rows*64),(64,512),rows*head_dim)
+    """
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dtype)
+    return cute.tile_to_shape(atom, (head_dim, rows, stages), order=(1, 0, 2))
+
+
+def make_tma_tile_atom(
+    op, m_sdhb: cute.Tensor, smem_layout_staged: cute.ComposedLayout, rows: int, head_dim: int
+) -> tuple[cute.CopyAtom, cute.Tensor]:
+    """TMA between a (seqlen, head_dim, heads, batch) tensor and one stage of
+    ``smem_layout_staged``, a (rows, head_dim) tile per copy (one box per 64-column
+    k-block, issued by one ``cute.copy``). ``op``: CopyBulkTensorTileG2SOp (load,
+    zero fill past seqlen) or CopyBulkTensorTileS2GOp (store, rows past seqlen clipped)."""
+    return cpasync.make_tiled_tma_atom(op, m_sdhb, cute.slice_(smem_layout_staged, (None, None, 0)), (rows, head_dim))
+
+
+@cute.jit
+def gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+):
+    """Issue acc (+)= A B as one wgmma group (not waited: the caller picks
+    ``warpgroup.wait_group``). The fence orders every earlier register write of
+    acc and of a register-sourced A before the asynchronous MMAs read them."""
+    warpgroup.fence()
+    # a fresh atom: its ACCUMULATE field is set per k-step, independent of other GEMMs
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()

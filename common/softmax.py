@@ -95,3 +95,116 @@ def softmax_rows(acc: cute.Tensor, scale_log2: cutlass.Float32) -> tuple[cute.Te
 def log_sum_exp(row_max: cutlass.Float32, row_sum: cutlass.Float32) -> cutlass.Float32:
     """Natural-log LSE of a row from its exp2-domain max and sum."""
     return (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
+
+
+# ---------------------------------------------------------------------------------------
+# Online softmax over a sequence of KV tiles (stage C on)
+
+
+def _max_tree(values: list):
+    """fmax over a list in a 4-wide tree: short dependency chains for the scheduler."""
+    acc = list(values[:4])
+    for j in range(4, len(values)):
+        acc[j % 4] = _fmax(acc[j % 4], values[j])
+    while len(acc) > 1:
+        acc = [_fmax(acc[k], acc[k + 1]) if k + 1 < len(acc) else acc[k] for k in range(0, len(acc), 2)]
+    return acc[0]
+
+
+def _sum_tree(values: list):
+    acc = list(values[:4])
+    for j in range(4, len(values)):
+        acc[j % 4] = acc[j % 4] + values[j]
+    while len(acc) > 1:
+        acc = [acc[k] + acc[k + 1] if k + 1 < len(acc) else acc[k] for k in range(0, len(acc), 2)]
+    return acc[0]
+
+
+class OnlineSoftmax:
+    """The running statistics of the rows a thread holds in a wgmma accumulator,
+    updated one KV tile at a time (same exp2 domain as ``softmax_rows``).
+
+    Per row, after tiles 0..j (x = s * scale_log2, keys of those tiles only):
+
+        row_max  m_j = max(m_{j-1}, max_k x)               quad-reduced: every lane of the quad
+        row_sum  l_j = l_{j-1} * exp2(m_{j-1} - m_j) + sum_k P   this thread's columns only
+        P        = exp2(s * scale_log2 - m_j)              one FFMA + one EX2 per score
+        rescale  r_j = exp2(m_{j-1} - m_j) <= 1            returned; O_{j-1} * r_j before O += P_j V_j
+
+    The max is taken over the raw scores s and scaled once per row (scale_log2 > 0,
+    so it commutes with the max), which lets x - m fold into one FFMA. The row sum
+    stays a per-thread partial (the rescale is linear, so the quad reduction moves
+    to ``finalize``). Every row must see a finite score in the first tile
+    (the kernels mask only keys past seqlen_k and start with the tile holding key
+    seqlen_k - 1), so m is finite from the first tile on and r never is NaN.
+    """
+
+    def __init__(self, acc_layout: cute.Layout, scale_log2: cutlass.Float32):
+        rows = cute.size(acc_rows_layout(acc_layout), mode=[0])
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
+        self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
+
+    # A runtime loop carries the object through its IR values (scale, the two tensors).
+    def __extract_mlir_values__(self):
+        parts = (self.scale_log2, self.row_max, self.row_sum)
+        self._counts = [len(cutlass.extract_mlir_values(x)) for x in parts]
+        return [v for x in parts for v in cutlass.extract_mlir_values(x)]
+
+    def __new_from_mlir_values__(self, values):
+        new = object.__new__(OnlineSoftmax)
+        parts, at = [], 0
+        for x, n in zip((self.scale_log2, self.row_max, self.row_sum), self._counts, strict=True):
+            parts.append(cutlass.new_from_mlir_values(x, values[at:at + n]))
+            at += n
+        new.scale_log2, new.row_max, new.row_sum = parts
+        new._counts = self._counts
+        return new
+
+    @cute.jit
+    def update(self, acc: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """acc (raw scores, masked keys at -inf) <- P in place; returns the per-row
+        rescale factor r (1 for the first tile) for O accumulated so far."""
+        rows = acc_rows_view(acc)
+        n_rows = cute.size(rows, mode=[0])
+        n_cols = cute.size(rows, mode=[1])
+        row_scale = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for i in cutlass.range_constexpr(n_rows):
+            tile_max = quad_allreduce(_max_tree([rows[i, j] for j in range(n_cols)]), _fmax)
+            m_new = tile_max * self.scale_log2
+            if cutlass.const_expr(not is_first):
+                m_new = _fmax(m_new, self.row_max[i])
+                row_scale[i] = cute.math.exp2(self.row_max[i] - m_new, fastmath=True)
+            else:
+                row_scale[i] = cutlass.Float32(1.0)
+            self.row_max[i] = m_new
+            p = [cute.math.exp2(rows[i, j] * self.scale_log2 - m_new, fastmath=True) for j in range(n_cols)]
+            for j in cutlass.range_constexpr(n_cols):
+                rows[i, j] = p[j]
+            tile_sum = _sum_tree(p)
+            if cutlass.const_expr(not is_first):
+                tile_sum = tile_sum + self.row_sum[i] * row_scale[i]
+            self.row_sum[i] = tile_sum
+        return row_scale
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        """Quad-reduce the row sums; returns 1 / rowsum per row (to scale O), and
+        leaves the natural-log LSE in ``row_sum``'s place as ``lse``."""
+        n_rows = cute.size(self.row_sum)
+        inv_sum = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        self.lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for i in cutlass.range_constexpr(n_rows):
+            total = quad_allreduce(self.row_sum[i], _fadd)
+            inv_sum[i] = cutlass.Float32(1.0) / total
+            self.lse[i] = log_sum_exp(self.row_max[i], total)
+        return inv_sum
+
+
+@cute.jit
+def scale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
+    """acc[row i of the thread, :] *= row_scale[i] (O rescale and the final 1/rowsum)."""
+    rows = acc_rows_view(acc)
+    for i in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+        for j in cutlass.range_constexpr(cute.size(rows, mode=[1])):
+            rows[i, j] = rows[i, j] * row_scale[i]

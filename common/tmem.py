@@ -42,6 +42,15 @@ PV MMA reads it from there as its A operand (a TS MMA). The regions of that allo
 P over S, O), the P store, the PV tiled MMA and the column budget are the second half of
 this module; ``tests/test_b_sm100_tmem_p.py`` proves, with these builders, that every P(m, k)
 is read where it was written and that the rows of S and of O sit on the same thread.
+
+Several Q tiles in flight
+-------------------------
+From stage C on a CTA keeps up to two 128-row Q tiles, each with its own S (P inside) and O:
+``AttentionTmemMap`` places them (``packed``: the S tiles first, then the O tiles) and checks
+that they neither overlap nor leave the 512 columns; the regions above take the first column
+of their tile. ``make_acc_tmem_store`` writes an accumulator back (the correction warps' O
+rescale). ``tests/test_c_sm100_host.py`` proves the map and, per Q tile, P and the row chain
+(softmax row statistics -> correction -> epilogue).
 """
 
 from __future__ import annotations
@@ -143,6 +152,20 @@ def make_acc_tmem_load(acc: cute.Tensor, epi_cols: int = EPI_COLS, op=None):
     acc_epi = epi_view(acc_tile(acc), epi_cols)
     tiled_copy = tcgen05.make_tmem_copy(atom, acc_epi[None, None, 0, 0])
     return tiled_copy, acc_epi
+
+
+def make_acc_tmem_store(acc: cute.Tensor, epi_cols: int = EPI_COLS, op=None):
+    """Register -> TMEM store back into the fp32 accumulator, ``epi_cols`` columns at a time:
+    the ``tcgen05.st.32x32b.x<epi_cols>`` atom over the same chunks as ``make_acc_tmem_load``
+    (``acc_epi = epi_view(acc_tile(acc), epi_cols)``). Thread t of the four warps writes lane t,
+    so a value loaded by ``make_acc_tmem_load`` and stored by this copy, both sliced with t,
+    returns to its own cell (proven in tests/test_c_sm100_host.py). ``op`` overrides the atom
+    (negative controls only)."""
+    if op is None:
+        op = tcgen05.St32x32bOp(tcgen05.Repetition(epi_cols))
+    atom = cute.make_copy_atom(op, ACC_DTYPE)
+    acc_epi = epi_view(acc_tile(acc), epi_cols)
+    return tcgen05.make_tmem_copy(atom, acc_epi[None, None, 0, 0]), acc_epi
 
 
 def fence_before_thread_sync():
@@ -253,28 +276,30 @@ def placeholder_tmem_base():
     return make_acc_fragment(make_qk_tiled_mma(cutlass.BFloat16)).iterator
 
 
-def s_region(ab_dtype) -> TmemRegion:
-    """S, the QK accumulator ``(MMA, 1, 1)``: fp32, S(m, n) at lane m, column S_TMEM_COL + n.
+def s_region(ab_dtype, col: int = S_TMEM_COL) -> TmemRegion:
+    """S, the QK accumulator ``(MMA, 1, 1)``: fp32, S(m, n) at lane m, column ``col`` + n
+    (``col``: S's first column; stage B's S_TMEM_COL unless a kernel holds several S tiles).
     (Regions build their own tiled MMA: only its layouts are used, and a kernel's tiled MMA
     carries per-warp state, the accumulate flag, that must not leak into other warps' code.)"""
-    return TmemRegion(ACC_DTYPE, S_TMEM_COL, make_acc_fragment(make_qk_tiled_mma(ab_dtype)).layout)
+    return TmemRegion(ACC_DTYPE, col, make_acc_fragment(make_qk_tiled_mma(ab_dtype)).layout)
 
 
-def s_region_16bit(dtype) -> TmemRegion:
+def s_region_16bit(dtype, col: int = S_TMEM_COL) -> TmemRegion:
     """S's columns seen as 16-bit values: ``(128, 2 * QK_TILE_N)``, (m, j) at lane m,
-    column S_TMEM_COL + j // 2, half j % 2 (the fp32 layout recast to 16-bit elements)."""
+    column ``col`` + j // 2, half j % 2 (the fp32 layout recast to 16-bit elements)."""
     s32 = acc_tile(make_acc_fragment(make_qk_tiled_mma(dtype))).layout  # (128,128):(65536,1)
     return TmemRegion(
         dtype,
-        S_TMEM_COL * elems_per_col(dtype),
+        col * elems_per_col(dtype),
         cute.recast_layout(dtype.width, ACC_DTYPE.width, s32),
     )
 
 
-def p_region(dtype) -> TmemRegion:
-    """P ``(128, PV_TILE_K)`` in the 16-bit view of S: P(m, k) = S16(m, first + k) with
-    first = (P_TMEM_COL - S_TMEM_COL) columns * 2 values per column."""
-    s16 = s_region_16bit(dtype)
+def p_region(dtype, s_col: int = S_TMEM_COL) -> TmemRegion:
+    """P ``(128, PV_TILE_K)`` in the 16-bit view of the S tile starting at column ``s_col``:
+    P(m, k) = S16(m, first + k) with first = (P_TMEM_COL - S_TMEM_COL) columns * 2 values per
+    column, i.e. P always sits in its own S tile's upper half."""
+    s16 = s_region_16bit(dtype, s_col)
     first = (P_TMEM_COL - S_TMEM_COL) * elems_per_col(dtype)
     return TmemRegion(
         dtype,
@@ -290,9 +315,9 @@ def p_chunk_view(tile, dtype, store_cols: int = P_STORE_COLS):
     return cute.flat_divide(tile, (QK_TILE_M, store_cols * elems_per_col(dtype)))
 
 
-def p_store_region(dtype, store_cols: int = P_STORE_COLS) -> TmemRegion:
-    """P's region cut into store chunks (``p_chunk_view``)."""
-    p = p_region(dtype)
+def p_store_region(dtype, store_cols: int = P_STORE_COLS, s_col: int = S_TMEM_COL) -> TmemRegion:
+    """P's region (in the S tile at ``s_col``) cut into store chunks (``p_chunk_view``)."""
+    p = p_region(dtype, s_col)
     return TmemRegion(dtype, p.offset, p_chunk_view(p.layout, dtype, store_cols))
 
 
@@ -329,20 +354,20 @@ def make_pv_tiled_mma(ab_dtype, head_dim: int) -> cute.TiledMma:
     return cute.make_tiled_mma(op)
 
 
-def p_operand_region(dtype, head_dim: int) -> TmemRegion:
-    """The PV MMA's A operand over P: ``(MMA, 1, K_PHASES)``, one k-phase of 16 keys per
-    instruction. ``make_fragment_A`` gives the layout only (its pointer is a placeholder
-    at 0), so the fragment is re-based explicitly onto P's offset."""
+def p_operand_region(dtype, head_dim: int, s_col: int = S_TMEM_COL) -> TmemRegion:
+    """The PV MMA's A operand over P (in the S tile at ``s_col``): ``(MMA, 1, K_PHASES)``, one
+    k-phase of 16 keys per instruction. ``make_fragment_A`` gives the layout only (its pointer
+    is a placeholder at 0), so the fragment is re-based explicitly onto P's offset."""
     pv = make_pv_tiled_mma(dtype, head_dim)
     frag = pv.make_fragment_A(pv.partition_shape_A((QK_TILE_M, PV_TILE_K)))
-    return TmemRegion(dtype, p_region(dtype).offset, frag.layout)
+    return TmemRegion(dtype, p_region(dtype, s_col).offset, frag.layout)
 
 
-def o_region(dtype, head_dim: int) -> TmemRegion:
-    """O, the PV accumulator ``(MMA, 1, 1)``: fp32, O(m, n) at lane m, column O_TMEM_COL + n."""
+def o_region(dtype, head_dim: int, col: int = O_TMEM_COL) -> TmemRegion:
+    """O, the PV accumulator ``(MMA, 1, 1)``: fp32, O(m, n) at lane m, column ``col`` + n."""
     pv = make_pv_tiled_mma(dtype, head_dim)
     acc = pv.make_fragment_C(pv.partition_shape_C((QK_TILE_M, head_dim)))
-    return TmemRegion(ACC_DTYPE, O_TMEM_COL, acc.layout)
+    return TmemRegion(ACC_DTYPE, col, acc.layout)
 
 
 def attention_tmem_columns(dtype, head_dim: int) -> int:
@@ -357,3 +382,113 @@ def attention_tmem_columns(dtype, head_dim: int) -> int:
     if o.first_column < s.end_column() and s.first_column < o.end_column():
         raise ValueError("O overlaps S in TMEM")
     return tmem_alloc_columns(max(s.end_column(), o.end_column()))
+
+
+# =======================================================================================
+# Several Q tiles in flight (stage C on): one S (P inside) per Q tile, then one O per Q tile
+# =======================================================================================
+#
+#     column  0 ...... 127 | 128 ..... 255 | ... | 128 q ...... 128 q + d - 1 | ... + d ...
+#             S0 (P0 in    | S1 (P1 in     |     | O0                         | O1
+#             64 .. 127)   | 192 .. 255)   |     |                            |
+#
+# Q tile i: S_i(m, n) at lane m, column 128 i + n; P_i(m, k) at lane m, column 128 i + 64 + k // 2,
+# half k % 2; O_i(m, n) at lane m, column 128 q + d i + n (q = Q tiles in flight, d = head_dim).
+# q = 2 needs 2 (128 + d) columns: 384 at d = 64, 512 at d = 128; d = 256 takes q = 1 (384).
+
+#: TMEM columns of one SM (lanes x 32-bit columns: 128 x 512)
+TMEM_COLUMNS = _TMEM_MAX_COLS
+
+
+def q_tiles_in_flight(head_dim: int, max_tiles: int = 2) -> int:
+    """How many 128-row Q tiles (an S and an O each) one CTA's TMEM holds: the most, up to
+    ``max_tiles``, with tiles * (QK_TILE_N + head_dim) <= 512."""
+    tiles = max_tiles
+    while tiles > 1 and tiles * (QK_TILE_N + head_dim) > _TMEM_MAX_COLS:
+        tiles -= 1
+    return tiles
+
+
+class AttentionTmemMap:
+    """Where each Q tile's S (with P inside it) and O live: first fp32 columns ``s_cols[i]`` and
+    ``o_cols[i]``. ``packed`` is the kernels' map (the picture above); explicit columns exist for
+    the host proofs' negative controls. Regions live only inside a trace."""
+
+    def __init__(self, dtype, head_dim: int, s_cols, o_cols):
+        if len(s_cols) != len(o_cols):
+            raise ValueError("one S and one O per Q tile")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.s_cols = tuple(int(c) for c in s_cols)
+        self.o_cols = tuple(int(c) for c in o_cols)
+
+    @classmethod
+    def packed(cls, dtype, head_dim: int, q_tiles: int) -> AttentionTmemMap:
+        s_cols = [i * QK_TILE_N for i in range(q_tiles)]
+        o_cols = [q_tiles * QK_TILE_N + i * head_dim for i in range(q_tiles)]
+        return cls(dtype, head_dim, s_cols, o_cols)
+
+    @property
+    def q_tiles(self) -> int:
+        return len(self.s_cols)
+
+    def s(self, i: int) -> TmemRegion:
+        return s_region(self.dtype, self.s_cols[i])
+
+    def p(self, i: int) -> TmemRegion:
+        return p_region(self.dtype, self.s_cols[i])
+
+    def p_store(self, i: int, store_cols: int = P_STORE_COLS) -> TmemRegion:
+        return p_store_region(self.dtype, store_cols, self.s_cols[i])
+
+    def p_operand(self, i: int) -> TmemRegion:
+        return p_operand_region(self.dtype, self.head_dim, self.s_cols[i])
+
+    def o(self, i: int) -> TmemRegion:
+        return o_region(self.dtype, self.head_dim, self.o_cols[i])
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(name, first column, one past the last) of every region, from the layouts."""
+        out = []
+        for i in range(self.q_tiles):
+            for name, r in ((f"S{i}", self.s(i)), (f"P{i}", self.p(i)), (f"O{i}", self.o(i))):
+                out.append((name, r.first_column, r.end_column()))
+        return out
+
+    def failures(self) -> list[str]:
+        """Every way the map is unusable: P outside its own S, two of the S / O regions sharing a
+        column, a region past column 511. Empty = sound."""
+        spans = {name: (a, b) for name, a, b in self.spans()}
+        fails = []
+        for i in range(self.q_tiles):
+            (sa, sb), (pa, pb) = spans[f"S{i}"], spans[f"P{i}"]
+            if not (sa <= pa and pb <= sb):
+                fails.append(f"P{i} (columns {pa}..{pb - 1}) is not inside S{i} ({sa}..{sb - 1})")
+        owners = [(n, a, b) for n, a, b in self.spans() if not n.startswith("P")]
+        for x, (n1, a1, b1) in enumerate(owners):
+            for n2, a2, b2 in owners[x + 1:]:
+                if a1 < b2 and a2 < b1:
+                    fails.append(f"{n1} (columns {a1}..{b1 - 1}) overlaps {n2} ({a2}..{b2 - 1})")
+        for n, _a, b in owners:
+            if b > _TMEM_MAX_COLS:
+                fails.append(f"{n} ends at column {b - 1}, past the {_TMEM_MAX_COLS} TMEM columns")
+        return fails
+
+    def alloc_columns(self) -> int:
+        """The column count to allocate (a power of two), after checking the map."""
+        fails = self.failures()
+        if fails:
+            raise ValueError("TMEM map: " + "; ".join(fails))
+        return tmem_alloc_columns(max(b for _n, _a, b in self.spans()))
+
+
+def uniform_stride(cols, what: str) -> int:
+    """The common distance between consecutive entries of ``cols`` (0 for one entry): lets a
+    kernel address region i as region 0 moved by i * stride columns, with a runtime i. Raises
+    if the entries are not evenly spaced."""
+    if len(cols) < 2:
+        return 0
+    stride = cols[1] - cols[0]
+    if any(b - a != stride for a, b in zip(cols[:-1], cols[1:], strict=True)):
+        raise ValueError(f"{what} columns {cols} are not evenly spaced")
+    return stride

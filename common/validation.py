@@ -49,8 +49,8 @@ def check_bshd(name: str, t, head_dims, min_seqlen: int = 1) -> None:
     if t.stride(3) != 1:
         raise ValueError(f"{name} must have head_dim contiguous (stride 1); got strides {t.stride()}")
     elem = t.element_size()
-    for dim in (0, 1, 2):
-        if t.shape[dim] > 1 and (t.stride(dim) * elem) % 16:
+    for dim in (0, 1, 2):  # every TMA stride, even of an extent-1 dim, must be a multiple of 16 bytes
+        if (t.stride(dim) * elem) % 16:
             raise ValueError(
                 f"{name} stride of dim {dim} must be a multiple of 16 bytes (TMA); got strides {t.stride()}"
             )

@@ -4,6 +4,11 @@ The same bodies run the sm90 kernel on Hopper and the sm100 kernel on
 Blackwell; each skips, saying why, where its architecture is absent.
 Bounds: S is fp32 from exact bf16/fp16 products, so the relative Frobenius
 error stays at fp32 summation level (<= 1e-5) and no row may exceed 1e-4.
+Every element is also held to fp32 summation accuracy, |err| <= 1e-5 x scale x
+sum_d |q_d k_d|: that is the bound a dot product can promise, and the only
+meaningful one where few elements make up the output, since one dot product's
+error relative to its own (cancelled) value is unbounded (seen: hd 512, a 1 x 1
+S of 0.011 from terms summing to ~14 in magnitude, off by 2.4e-7).
 """
 
 import pytest
@@ -38,10 +43,15 @@ def run_case(arch, dtype, head_dim, shape, magnitude=1.0, record=None, scale=Non
     s = stage.forward(q, k, softmax_scale=scale, out=out)
     torch.cuda.synchronize()
     assert s.data_ptr() == out.data_ptr()
-    e = errors(s, qk_scores(q, k, scale))
+    ref = qk_scores(q, k, scale)
+    e = errors(s, ref)
     if record:
         record(e, arch=arch, dtype=str(dtype), head_dim=head_dim, shape=list(shape))
-    assert e.within(REL, ROW), f"{arch} {dtype} hd{head_dim} {shape}: {e} (seed {g.initial_seed()})"
+    msg = f"{arch} {dtype} hd{head_dim} {shape}: {e} (seed {g.initial_seed()})"
+    terms = qk_scores(q.abs(), k.abs(), scale)  # scale * sum_d |q_d k_d| per element
+    assert ((s.double() - ref).abs() <= 1e-5 * terms).all(), msg
+    if b * h * sq * sk >= 128 * 128:  # enough elements for the norms to average out cancellation
+        assert e.within(REL, ROW), msg
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -56,38 +56,49 @@ def bench_stage_a(dev) -> list:
     return rows
 
 
+def attention_row(stage, dev, b, h, sq, sk, d) -> dict:
+    """One attention case: ours against FlashAttention-4 and cuDNN on the same rotated tensors."""
+    per_set = 2 * (2 * b * sq * h * d + 2 * b * sk * h * d)
+    n = bench.rotation_count(per_set, maximum=8)
+    sets = [tuple(random_bshd(b, s, h, d, torch.bfloat16, dev) for s in (sq, sk, sk)) for _ in range(n)]
+    ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v) for q, k, v in sets])
+    flop = stage.flops(b, sq, sk, h, d)
+    peers, peer_ms = {}, {}
+    for name, make in (("fa4", bench.peer_fa4), ("cudnn", bench.peer_cudnn)):
+        try:
+            t = bench.time_ms([make(q, k, v) for q, k, v in sets])
+            peers[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+            print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+    row = {
+        "stage": stage.ID, "case": f"b{b} h{h} sq{sq} sk{sk} hd{d} bf16", "head_dim": d, "seqlen": sk,
+        "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
+        "peers": peers, "peer_ms": peer_ms,
+        "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()},
+    }
+    print(f"stage {stage.ID} {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {peers}",
+          flush=True)
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
 def bench_stage_b(dev) -> list:
     """One KV tile (seqlen_k = 128) against FlashAttention-4 and cuDNN on the same tensors."""
     from stages import b_p_onchip as stage
 
-    rows = []
-    b, h, sq, sk = 4, 16, 8192, stage.KV_TILE
-    for d in stage.HEAD_DIMS:
-        per_set = 2 * (2 * b * sq * h * d + 2 * b * sk * h * d)
-        n = bench.rotation_count(per_set, maximum=8)
-        sets = [tuple(random_bshd(b, s, h, d, torch.bfloat16, dev) for s in (sq, sk, sk)) for _ in range(n)]
-        ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v) for q, k, v in sets])
-        flop = stage.flops(b, sq, sk, h, d)
-        peers, peer_ms = {}, {}
-        for name, make in (("fa4", bench.peer_fa4), ("cudnn", bench.peer_cudnn)):
-            try:
-                t = bench.time_ms([make(q, k, v) for q, k, v in sets])
-                peers[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-                print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
-        rows.append({
-            "stage": "b", "case": f"b{b} h{h} sq{sq} sk{sk} hd{d} bf16",
-            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
-            "peers": peers, "peer_ms": peer_ms,
-            "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()},
-        })
-        print(f"stage b hd{d}: ours {ms:.3f} ms ({rows[-1]['ours_tflops']} TFLOP/s)  peers {peers}", flush=True)
-        del sets
-        torch.cuda.empty_cache()
-    return rows
+    return [attention_row(stage, dev, 4, 16, 8192, stage.KV_TILE, d) for d in stage.HEAD_DIMS]
 
 
-BENCHES = {"a": bench_stage_a, "b": bench_stage_b}
+def bench_stage_c(dev) -> list:
+    """Non-causal, seqlen 1k-16k, 32k tokens x 16 heads per launch (fills the GPU)."""
+    from stages import c_online_softmax as stage
+
+    return [attention_row(stage, dev, max(1, 32768 // s), 16, s, s, d)
+            for d in stage.HEAD_DIMS for s in (1024, 2048, 4096, 8192, 16384)]
+
+
+BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c}
 
 
 def run(stages=None) -> list:

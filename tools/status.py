@@ -156,6 +156,21 @@ def _report_section(name: str, rep: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def charts(reports: dict) -> dict:
+    """{svg path: text} for every report with stage rows that sweep seqlen (stage C onward)."""
+    from tools.plot import attention_chart
+
+    out = {}
+    for name, rep in reports.items():
+        for st in sorted({r["stage"] for r in rep.get("bench", []) if "seqlen" in r}):
+            rows = [r for r in rep["bench"] if r["stage"] == st and "seqlen" in r]
+            if len({r["seqlen"] for r in rows}) > 1:
+                stale = " (STALE)" if report.is_stale(rep) else ""
+                out[report.RESULTS / f"plot_{st}_{name}.svg"] = attention_chart(
+                    rows, f"stage {st}, {rep.get('device')}{stale}")
+    return out
+
+
 def render_results() -> str:
     reports = report.gpu_reports()
     head = ("# GPU results\n\nRendered from the device reports in `docs/results/` by `python -m tools.status "
@@ -164,13 +179,14 @@ def render_results() -> str:
             "Hopper GPUs only: no sm100 result exists.\n\n")
     if not reports:
         return head + "No GPU report yet.\n"
-    return head + "\n".join(_report_section(n, r) for n, r in reports.items())
+    plots = "".join(f"![{p.stem}](results/{p.name})\n\n" for p in charts(reports))
+    return head + plots + "\n".join(_report_section(n, r) for n, r in reports.items())
 
 
 def render(write: bool = True) -> bool:
     tbl = table()
     want = {README: render_readme(README.read_text(), tbl), STATUS_PAGE: render_page(tbl),
-            RESULTS_PAGE: render_results()}
+            RESULTS_PAGE: render_results(), **charts(report.gpu_reports())}
     same = all(p.exists() and p.read_text() == t for p, t in want.items())
     if write:
         for p, t in want.items():

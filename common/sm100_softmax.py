@@ -1,0 +1,66 @@
+"""Online softmax on Blackwell (SM100): one thread owns one row of S, in registers, per KV tile.
+
+The SM100 kernels load row t of an S tile from TMEM into thread t's registers (tcgen05.ld
+32x32b, ``common.tmem``), so a row's max and sum need no shuffles: every reduction here is over
+one thread's values. The numeric domain is the one of every stage (``common.softmax`` says it):
+
+    x = s * scale_log2       (scale_log2 = softmax_scale * log2 e, applied once to the raw score)
+    m = running max of x     P = exp2(x - m)      l = running sum of P (fp32, before rounding P)
+    O = (sum_j P_j V_j) / l   LSE = (m + log2 l) * ln 2
+
+Across KV tiles the max is updated lazily (FlashAttention-4): a warp keeps the max it applied so
+far unless some row of the warp saw a new max more than RESCALE_THRESHOLD (log2 units) above it,
+decided by one vote over the warp. Then every row of the warp moves to its new max and its
+running sum and O are multiplied by exp2(m_old - m_new) (O by the correction warps, in TMEM).
+Results stay exact: P, l and O all use the max actually applied, and the final O / l cancels it.
+While a stale max is kept, x - m <= RESCALE_THRESHOLD, so P <= 2^8 = 256: representable in bf16
+and fp16 (max 65504), and the fp32 sums cannot overflow for any practical sequence length.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+#: log2 units a row's max may grow before the warp rescales (FlashAttention-4's value)
+RESCALE_THRESHOLD = 8.0
+
+
+@cute.jit
+def lazy_max_update(m_applied: Float32, s_max: Float32, scale_log2: Float32, threshold: cutlass.Constexpr[float]):
+    """One KV tile's max update for this thread's row, decided per warp.
+
+    ``m_applied``: the max (x domain) P and O currently use (-inf before the first tile);
+    ``s_max``: the max raw score of this tile's row. Returns (m, scale): the max to use from now
+    on and exp2(m_applied - m), the factor the row's sum and O must be multiplied by (exactly 1.0
+    when the warp keeps its max; 0 on the first tile, where there is nothing to rescale)."""
+    m_tile = s_max * scale_log2
+    m_cand = cute.arch.fmax(m_applied, m_tile)
+    # warp-uniform: one row's large growth moves the whole warp, so the correction warp serving
+    # these 32 rows rescales all of them or none
+    grow = cute.arch.vote_any_sync(m_cand - m_applied > threshold)
+    m_new = m_cand if grow else m_applied
+    scale = cute.math.exp2(m_applied - m_new, fastmath=True) if grow else Float32(1.0)
+    return m_new, scale
+
+
+@cute.jit
+def exp2_into_p(s_row: cute.Tensor, p_row: cute.Tensor, scale_log2: Float32, m: Float32) -> Float32:
+    """P = exp2(s * scale_log2 - m) for this thread's row: written (rounded to ``p_row``'s 16-bit
+    type) into ``p_row``, value v of one being value v of the other; ``s_row`` is overwritten with
+    the fp32 P. Returns the row's sum of the fp32 P of this tile."""
+    neg_m = -m
+    for v in cutlass.range(0, cute.size(s_row), 2, unroll_full=True):
+        x0, x1 = cute.arch.fma_packed_f32x2((s_row[v], s_row[v + 1]), (scale_log2, scale_log2), (neg_m, neg_m))
+        s_row[v] = cute.math.exp2(x0, fastmath=True)
+        s_row[v + 1] = cute.math.exp2(x1, fastmath=True)
+    p = s_row.load()
+    p_row.store(p.to(p_row.element_type))
+    return p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+
+@cute.jit
+def row_max(s_row: cute.Tensor) -> Float32:
+    """The max of this thread's raw scores."""
+    return s_row.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)

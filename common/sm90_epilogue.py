@@ -1,0 +1,79 @@
+"""The one-way epilogue of the SM90 attention kernels: O from the wgmma
+accumulator to global memory through SMEM and one TMA store, LSE straight from
+the threads that own the rows.
+
+O: registers -> 16 bits -> SMEM over the Q buffer (same (tile_m, head_dim)
+K-major swizzled layout that TMA filled with Q, so the TMA store reads it as
+the load wrote Q) -> TMA store; rows past seqlen_q are clipped by TMA.
+
+    EPILOGUE barrier, all consumer threads (sync): every warpgroup's last QK wgmma
+        (the last reader of sQ) has completed, so sQ may be overwritten.
+    each thread writes its O values; fence.proxy.async.shared::cta makes the
+    generic-proxy writes visible to the TMA (async proxy).
+    EPILOGUE barrier again: the store warp syncs, the others only arrive (they
+        have nothing left to wait for); then one lane of the store warp issues the
+        store, commits and waits for its SMEM reads before the CTA may exit.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+from common.softmax import acc_rows_view
+
+
+@cute.jit
+def store_o(
+    acc_o: cute.Tensor,
+    sO: cute.Tensor,
+    thr_pv: cute.ThrMma,
+    tma_atom_o: cute.CopyAtom,
+    gO: cute.Tensor,
+    m_block: cutlass.Int32,
+    barrier_id: cutlass.Constexpr[int],
+    num_threads: cutlass.Constexpr[int],
+    is_store_warp: cutlass.Boolean,
+):
+    """acc_o (fp32, already normalized) -> sO (tile_m, head_dim, 1) -> tile m_block of
+    gO (tile_m, head_dim, m_blocks).
+    Every thread of the ``num_threads`` consumer threads calls it."""
+    r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
+    r_o.store(acc_o.load().to(sO.element_type))
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    cute.autovec_copy(r_o, thr_pv.partition_C(sO[None, None, 0]))
+    cute.arch.fence_proxy("async.shared", space="cta")
+    if is_store_warp:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+        tOsO, tOgO = cpasync.tma_partition(
+            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        # bulk groups are per thread: one lane issues, commits and waits
+        with cute.arch.elect_one():
+            cute.copy(tma_atom_o, tOsO[None, 0], tOgO[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+    else:
+        cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads)
+
+
+@cute.jit
+def store_lse(
+    mLSE: cute.Tensor,
+    lse: cute.Tensor,
+    tScS: cute.Tensor,
+    row_offset: cutlass.Int32,
+    head: cutlass.Int32,
+    batch: cutlass.Int32,
+    seqlen_q: cutlass.Int32,
+):
+    """Every lane of a quad holds its rows' LSE; the lane holding column 0 of the
+    S tile (``tScS``: the thread's QK accumulator coordinates) writes them, one
+    writer per row, rows row_offset + r < seqlen_q only. mLSE is (batch, heads, seqlen_q)."""
+    rows_c = acc_rows_view(tScS)
+    if rows_c[0, 0][1] == 0:
+        for i in cutlass.range_constexpr(cute.size(rows_c, mode=[0])):
+            row = row_offset + rows_c[i, 0][0]
+            if row < seqlen_q:
+                mLSE[batch, head, row] = lse[i]

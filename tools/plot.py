@@ -1,0 +1,67 @@
+"""A dependency-free SVG line chart of benchmark rows: TFLOP/s against seqlen, one panel per head dim.
+
+    svg = attention_chart(rows, title)   # rows: bench rows with head_dim, seqlen, ours_tflops, peers
+"""
+
+from __future__ import annotations
+
+import math
+
+COLORS = {"ours": "#d62728", "fa4": "#1f77b4", "cudnn": "#2ca02c"}
+PANEL_W, PANEL_H, PAD = 300, 230, 45
+
+
+def _panel(rows, x0, head_dim, ymax) -> list:
+    seqs = sorted({r["seqlen"] for r in rows})
+    if not seqs:
+        return []
+    lx = [math.log2(s) for s in seqs]
+    lo, hi = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+
+    def px(s):
+        return x0 + PAD + (math.log2(s) - lo) / (hi - lo) * (PANEL_W - PAD - 10)
+
+    def py(v):
+        return 30 + (1 - v / ymax) * (PANEL_H - 30 - PAD)
+
+    out = [f'<text x="{x0 + PANEL_W / 2}" y="18" text-anchor="middle" font-size="13">head dim {head_dim}</text>',
+           f'<line x1="{x0 + PAD}" y1="{py(0)}" x2="{x0 + PANEL_W - 10}" y2="{py(0)}" stroke="#444"/>',
+           f'<line x1="{x0 + PAD}" y1="{py(0)}" x2="{x0 + PAD}" y2="{py(ymax)}" stroke="#444"/>']
+    for frac in (0, 0.25, 0.5, 0.75, 1.0):
+        v = ymax * frac
+        out.append(f'<text x="{x0 + PAD - 4}" y="{py(v) + 4}" text-anchor="end" font-size="10">{v:.0f}</text>')
+    for s in seqs:
+        label = f"{s // 1024}k" if s >= 1024 else str(s)
+        out.append(f'<text x="{px(s)}" y="{py(0) + 14}" text-anchor="middle" font-size="10">{label}</text>')
+    series = {"ours": [(r["seqlen"], r["ours_tflops"]) for r in rows]}
+    for peer in ("fa4", "cudnn"):
+        pts = [(r["seqlen"], r["peers"][peer]) for r in rows if peer in r.get("peers", {})]
+        if pts:
+            series[peer] = pts
+    for name, pts in series.items():
+        pts = sorted(pts)
+        path = " ".join(f"{px(s):.1f},{py(v):.1f}" for s, v in pts)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{COLORS[name]}" stroke-width="2"/>')
+        out += [f'<circle cx="{px(s):.1f}" cy="{py(v):.1f}" r="2.5" fill="{COLORS[name]}"/>' for s, v in pts]
+    return out
+
+
+def attention_chart(rows, title: str) -> str:
+    dims = sorted({r["head_dim"] for r in rows})
+    vals = [r["ours_tflops"] for r in rows] + [v for r in rows for v in r.get("peers", {}).values()]
+    ymax = max(100.0, math.ceil(max(vals, default=100) / 100) * 100)
+    width, height = PANEL_W * len(dims), PANEL_H + 40
+    body = []
+    for i, d in enumerate(dims):
+        body += _panel([r for r in rows if r["head_dim"] == d], i * PANEL_W, d, ymax)
+    legend_y = PANEL_H + 22
+    for i, name in enumerate(COLORS):
+        x = 60 + i * 120
+        body.append(f'<rect x="{x}" y="{legend_y - 9}" width="14" height="4" fill="{COLORS[name]}"/>')
+        label = {"ours": "ours", "fa4": "FlashAttention-4", "cudnn": "cuDNN"}[name]
+        body.append(f'<text x="{x + 20}" y="{legend_y - 4}" font-size="11">{label}</text>')
+    body.append(f'<text x="{width - 10}" y="{legend_y - 4}" text-anchor="end" font-size="11">'
+                f'{title} (TFLOP/s vs seqlen)</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n'
+            + "\n".join(body) + "\n</svg>\n")
