@@ -58,3 +58,34 @@ def first_mismatches(expected: dict, actual: dict, limit: int = 5) -> list:
             if len(bad) >= limit:
                 break
     return bad
+
+
+def as_ints(x):
+    """A (nested) tuple of CuTe integers as plain Python ints, for leaving a trace."""
+    return tuple(as_ints(y) for y in x) if isinstance(x, tuple) else int(x)
+
+
+def size_of(shape) -> int:
+    """The number of elements of a (nested) shape given as plain ints."""
+    if isinstance(shape, tuple):
+        out = 1
+        for s in shape:
+            out *= size_of(s)
+        return out
+    return shape
+
+
+def offset_of(shape, stride, coord) -> int:
+    """A layout's offset of a (possibly nested) coordinate, in plain Python: the same
+    arithmetic as ``cute.crd2idx``, outside a trace. An integer given for a nested mode
+    is split colexicographically, as CuTe does."""
+    if isinstance(shape, tuple):
+        if not isinstance(coord, tuple):
+            parts = []
+            for s in shape:
+                size = size_of(s)
+                parts.append(coord % size)
+                coord //= size
+            coord = tuple(parts)
+        return sum(offset_of(s, d, c) for s, d, c in zip(shape, stride, coord, strict=True))
+    return coord * stride

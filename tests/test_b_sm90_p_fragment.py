@@ -42,7 +42,7 @@ import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import warpgroup
 
-from common.layout_proof import first_mismatches, trace
+from common.layout_proof import as_ints, first_mismatches, offset_of, trace
 from common.p_staging import acc_to_a_layout, make_pv_tiled_mma
 from common.sm90_gemm import (
     NUM_THREADS,
@@ -280,31 +280,10 @@ def test_row_statistics_live_on_the_quad_that_owns_the_row(holdings):
 # V: the bytes TMA writes (K-major, (key, head_dim)) are the MMA's MN-major (head_dim, key)
 
 
-def _eval(shape, stride, coord) -> int:
-    """A layout's offset of a coordinate, in plain Python (colex within each mode)."""
-    if isinstance(shape, tuple):
-        if not isinstance(coord, tuple):  # an integer index into a nested mode: colex split
-            parts = []
-            for s in shape:
-                size = _size(s)
-                parts.append(coord % size)
-                coord //= size
-            coord = tuple(parts)
-        return sum(_eval(s, d, c) for s, d, c in zip(shape, stride, coord, strict=True))
-    return coord * stride
 
 
-def _size(shape) -> int:
-    if isinstance(shape, tuple):
-        out = 1
-        for s in shape:
-            out *= _size(s)
-        return out
-    return shape
 
 
-def _ints(x):
-    return tuple(_ints(y) for y in x) if isinstance(x, tuple) else int(x)
 
 
 def v_mismatches(head_dim: int, wrong_order: bool = False) -> list:
@@ -323,10 +302,10 @@ def v_mismatches(head_dim: int, wrong_order: bool = False) -> list:
         return (
             str(tma.inner),
             str(mma.inner),
-            _ints(tma.outer.shape),
-            _ints(tma.outer.stride),
-            _ints(mma.outer.shape),
-            _ints(mma.outer.stride),
+            as_ints(tma.outer.shape),
+            as_ints(tma.outer.stride),
+            as_ints(mma.outer.shape),
+            as_ints(mma.outer.stride),
             int(cute.cosize(tma)),
             int(cute.cosize(mma)),
         )
@@ -341,7 +320,7 @@ def v_mismatches(head_dim: int, wrong_order: bool = False) -> list:
         (key, d)
         for key in range(TILE_N)
         for d in range(head_dim)
-        if _eval(tshape, tstride, (key, d % TILE_K, d // TILE_K)) != _eval(mshape, mstride, (d, key))
+        if offset_of(tshape, tstride, (key, d % TILE_K, d // TILE_K)) != offset_of(mshape, mstride, (d, key))
     ]
     return bad
 

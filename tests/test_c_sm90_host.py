@@ -36,7 +36,7 @@ import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import warpgroup
 
-from common.layout_proof import first_mismatches, trace
+from common.layout_proof import as_ints, first_mismatches, offset_of, trace
 from common.mask import key_limit, num_kv_tiles
 from common.p_staging import acc_to_a_layout, make_pv_tiled_mma
 from common.sm90_gemm import (
@@ -57,32 +57,10 @@ CONFIGS = [(m, n, d) for d, (m, n) in sorted(DEFAULT_TILES.items())]
 SEQLENS_K = (1, 79, 80, 81, 127, 128, 129, 160, 1000, 4096)
 
 
-def _ints(x):
-    return tuple(_ints(y) for y in x) if isinstance(x, tuple) else int(x)
 
 
-def _eval(shape, stride, coord) -> int:
-    """A layout's offset of a (possibly nested) coordinate in plain Python; an integer
-    into a nested mode is split colexicographically."""
-    if isinstance(shape, tuple):
-        if not isinstance(coord, tuple):
-            parts = []
-            for s in shape:
-                size = _size(s)
-                parts.append(coord % size)
-                coord //= size
-            coord = tuple(parts)
-        return sum(_eval(s, d, c) for s, d, c in zip(shape, stride, coord, strict=True))
-    return coord * stride
 
 
-def _size(shape) -> int:
-    if isinstance(shape, tuple):
-        out = 1
-        for s in shape:
-            out *= _size(s)
-        return out
-    return shape
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,8 +79,8 @@ def v_ring_mismatches(rows: int, head_dim: int, stages: int, wrong: str | None =
             mma = cute.tile_to_shape(atom, (head_dim, rows, stages), order=(2, 1, 0))
         else:
             mma = make_tile_smem_layout_mn(dtype, rows, head_dim, stages)
-        return (str(tma.inner), str(mma.inner), _ints(tma.outer.shape), _ints(tma.outer.stride),
-                _ints(mma.outer.shape), _ints(mma.outer.stride), int(cute.cosize(tma)), int(cute.cosize(mma)))
+        return (str(tma.inner), str(mma.inner), as_ints(tma.outer.shape), as_ints(tma.outer.stride),
+                as_ints(mma.outer.shape), as_ints(mma.outer.stride), int(cute.cosize(tma)), int(cute.cosize(mma)))
 
     tswz, mswz, tshape, tstride, mshape, mstride, tcos, mcos = trace(body, arch="sm90")
     bad = []
@@ -113,8 +91,8 @@ def v_ring_mismatches(rows: int, head_dim: int, stages: int, wrong: str | None =
     for s in range(stages):
         for key in range(rows):
             for d in range(head_dim):
-                written = _eval(tshape, tstride, (key, d, s))
-                if written != _eval(mshape, mstride, (d, key, s)):
+                written = offset_of(tshape, tstride, (key, d, s))
+                if written != offset_of(mshape, mstride, (d, key, s)):
                     bad.append((key, d, s))
                 elif d == 0 and key == 0 and written != s * rows * head_dim:
                     bad.append(("stage offset", s, written))
