@@ -129,9 +129,9 @@ def _report_section(name: str, rep: dict) -> str:
     for st, per_arch in sorted(rep.get("tests", {}).items()):
         for arch, c in sorted(per_arch.items()):
             e = rep.get("errors", {}).get(st, {}).get(arch, {})
+            rel = f"{e['rel_fro']:.2e} | {e['row_rel']:.2e}" if e else "not run | not run"
             out.append(f"| {st} | {arch} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('skipped', 0)} | "
-                       f"{e.get('rel_fro', float('nan')):.2e} | {e.get('row_rel', float('nan')):.2e} | "
-                       f"{e.get('cases', 0)} |")
+                       f"{rel} | {e.get('cases', 0)} |")
     rows = rep.get("bench", [])
     if rows:
         peers = sorted({p for r in rows for p in r.get("peers", {})})
