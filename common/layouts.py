@@ -32,3 +32,16 @@ def seq_major(t: cute.Tensor) -> cute.Tensor:
 def scores_major(t: cute.Tensor) -> cute.Tensor:
     """(batch, heads, seqlen_q, seqlen_k) -> (seqlen_q, seqlen_k, heads, batch)."""
     return reorder(t, BHQK_TO_QKHB)
+
+
+def check_attention_operands(dtype, mQ, mK, mV, mO, mLSE) -> None:
+    """Trace-time check of an attention kernel's operands: Q, K, V, O in the kernel's
+    16-bit dtype, LSE in fp32. (The host validation in common/validation.py has already
+    named any user error; this guards a kernel compiled against the wrong tensors.)"""
+    import cutlass
+
+    for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("O", mO)):
+        if cutlass.const_expr(t.element_type != dtype):
+            raise TypeError(f"{name} must be {dtype}, got {t.element_type}")
+    if cutlass.const_expr(mLSE.element_type != cutlass.Float32):
+        raise TypeError(f"LSE must be Float32, got {mLSE.element_type}")

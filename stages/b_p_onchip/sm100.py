@@ -90,7 +90,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from common.layouts import reorder, seq_major
+from common.layouts import check_attention_operands, reorder, seq_major
 from common.sm100_qk import (
     K_BLOCK,
     QK_MMA_TILER,
@@ -171,11 +171,7 @@ class AttentionOneTileSm100:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("O", mO)):
-            if const_expr(t.element_type != self.dtype):
-                raise TypeError(f"{name} must be {self.dtype}, got {t.element_type}")
-        if const_expr(mLSE.element_type != Float32):
-            raise TypeError(f"LSE must be Float32, got {mLSE.element_type}")
+        check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
 
         q = seq_major(mQ)  # (seqlen_q, head_dim, heads, batch)
         k = seq_major(mK)  # (seqlen_k, head_dim, kv_heads, batch)

@@ -66,7 +66,7 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from common.layouts import seq_major
+from common.layouts import check_attention_operands, seq_major
 from common.p_staging import convert_p, make_pv_tiled_mma
 from common.sm90_gemm import (
     NUM_THREADS,
@@ -110,11 +110,7 @@ class AttentionOneTileSm90:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        for t in (mQ, mK, mV, mO):
-            if cutlass.const_expr(t.element_type != self.dtype):
-                raise TypeError(f"Q, K, V and O must be {self.dtype}")
-        if cutlass.const_expr(mLSE.element_type != cutlass.Float32):
-            raise TypeError("LSE must be Float32")
+        check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
 
         # (seqlen, head_dim, heads, batch)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]

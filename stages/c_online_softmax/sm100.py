@@ -118,7 +118,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from common.compile import SMEM_LIMIT
-from common.layouts import reorder, seq_major
+from common.layouts import check_attention_operands, reorder, seq_major
 from common.mask import mask_seqlen_k, num_kv_tiles
 from common.sm100_correction import o_row_to_smem, rescale_o_row
 from common.sm100_kv import (
@@ -215,11 +215,7 @@ class FlashAttentionSm100:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("O", mO)):
-            if const_expr(t.element_type != self.dtype):
-                raise TypeError(f"{name} must be {self.dtype}, got {t.element_type}")
-        if const_expr(mLSE.element_type != Float32):
-            raise TypeError(f"LSE must be Float32, got {mLSE.element_type}")
+        check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
 
         q = seq_major(mQ)  # (seqlen_q, head_dim, heads, batch)
         k = seq_major(mK)  # (seqlen_k, head_dim, kv_heads, batch)

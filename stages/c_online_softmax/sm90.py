@@ -85,7 +85,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from common.layouts import seq_major
+from common.layouts import check_attention_operands, seq_major
 from common.mask import mask_seqlen_k, num_kv_tiles
 from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from common.sm90_barriers import Sm90FwdBarrier
@@ -160,11 +160,7 @@ class FlashAttentionSm90:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        for t in (mQ, mK, mV, mO):
-            if cutlass.const_expr(t.element_type != self.dtype):
-                raise TypeError(f"Q, K, V and O must be {self.dtype}")
-        if cutlass.const_expr(mLSE.element_type != cutlass.Float32):
-            raise TypeError("LSE must be Float32")
+        check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
 
         # (seqlen, head_dim, heads, batch)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
