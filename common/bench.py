@@ -91,6 +91,23 @@ def peer_cudnn(q, k, v, softmax_scale=None, causal=False):
     return run
 
 
+def peer_sdpa_mem_efficient(q, k, v, softmax_scale=None):
+    """torch's memory-efficient SDPA (the only SM90 peer that runs head dim 512); KV heads
+    broadcast to the query heads as stride-0 views (no copy)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    h = q.shape[2]
+    qt = q.transpose(1, 2)
+    kt, vt = (x.transpose(1, 2).expand(x.shape[0], h, x.shape[1], x.shape[3]) for x in (k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return sdpa(qt, kt, vt, scale=softmax_scale)
+
+    return run
+
+
 # Anchor cases (shared/notes/anchors.md, H200, bf16): peer -> (case, TFLOP/s measured there)
 ANCHORS = {
     "matmul": ("bf16 8192^3", 692.0),

@@ -35,8 +35,14 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
             cutlass.Float32(0.125 * LOG2E), make_fake_stream()]
 
 
+def same_memory(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k and v are one tensor's memory (same start, shape, strides, dtype): K = V."""
+    return (k is v) or (k.data_ptr() == v.data_ptr() and k.shape == v.shape and k.stride() == v.stride()
+                        and k.dtype == v.dtype and k.device == v.device)
+
+
 def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out,
-                      max_seqlen_k: int | None = None, too_long: str = ""):
+                      max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None):
     import cutlass
 
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
@@ -57,11 +63,12 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
         return o, lse
     args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(o), jit.as_cute(lse),
             cutlass.Float32(scale * LOG2E), jit.current_stream()]
-    jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args)(*args)
+    jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args, options)(*args)
     return o, lse
 
 
-def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q, seqlen_k, check_rows=1024):
+def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q, seqlen_k, check_rows=1024,
+                        kv_heads=None, kv_shared=False):
     """One bf16 run, timed; O of the first batch's first ``check_rows`` queries against the
     float64 reference (the whole problem's float64 scores would not fit). Returns
     (errors, milliseconds, TFLOP/s)."""
@@ -70,8 +77,9 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
     from common.testing import errors, random_bshd
 
     q = random_bshd(batch, seqlen_q, heads, head_dim, torch.bfloat16, device)
-    k = random_bshd(batch, seqlen_k, heads, head_dim, torch.bfloat16, device)
-    v = random_bshd(batch, seqlen_k, heads, head_dim, torch.bfloat16, device)
+    hk = heads if kv_heads is None else kv_heads
+    k = random_bshd(batch, seqlen_k, hk, head_dim, torch.bfloat16, device)
+    v = k if kv_shared else random_bshd(batch, seqlen_k, hk, head_dim, torch.bfloat16, device)
     o, lse = forward(q, k, v)
     rows = slice(0, min(check_rows, seqlen_q))
     e = errors(o[:1, rows], attention(q[:1, rows], k[:1], v[:1])[0])

@@ -79,9 +79,11 @@ def kernel_class(kernels: dict, arch: str):
     return getattr(importlib.import_module(module), name)
 
 
-def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args):
-    """The compiled kernel of a stage for (arch, dtype, head dim), compiled on first use."""
+def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args, options: dict | None = None):
+    """The compiled kernel of a stage for (arch, dtype, head dim, compile-time options),
+    compiled on first use."""
+    options = dict(options or {})
     return cached(
-        (stage_id, arch, dtype, head_dim),
-        lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim), args, arch),
+        (stage_id, arch, dtype, head_dim, tuple(sorted(options.items()))),
+        lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options), args, arch),
     )

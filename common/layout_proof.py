@@ -89,3 +89,35 @@ def offset_of(shape, stride, coord) -> int:
             coord = tuple(parts)
         return sum(offset_of(s, d, c) for s, d, c in zip(shape, stride, coord, strict=True))
     return coord * stride
+
+
+#: bytes shared memory serves per wavefront (32 banks x 4 bytes)
+SMEM_WAVEFRONT_BYTES = 128
+#: shared-memory banks, 4 bytes wide
+SMEM_BANKS = 32
+
+
+def smem_wavefronts(byte_addresses, bytes_per_thread: int) -> int:
+    """128-byte shared-memory wavefronts one warp instruction takes, the threads' byte addresses
+    given in lane order. The model: a warp's accesses are served in phases of
+    128 / bytes_per_thread consecutive lanes (a whole warp for 4-byte or narrower accesses, 8 lanes
+    for 16-byte ones); within a phase, a bank serves one distinct 4-byte word per wavefront (lanes
+    reading the same word share it), so the phase takes as many wavefronts as its busiest bank has
+    distinct words. The minimum for a warp is ceil(lanes * bytes_per_thread / 128)."""
+    addrs = list(byte_addresses)
+    if bytes_per_thread <= 0 or any(a % min(bytes_per_thread, 16) for a in addrs):
+        raise ValueError("accesses must be aligned to their size")
+    per_phase = max(1, min(len(addrs), SMEM_WAVEFRONT_BYTES // bytes_per_thread))
+    total = 0
+    for p in range(0, len(addrs), per_phase):
+        words_per_bank: dict[int, set] = {}
+        for a in addrs[p:p + per_phase]:
+            for word in range(a // 4, (a + bytes_per_thread + 3) // 4):
+                words_per_bank.setdefault(word % SMEM_BANKS, set()).add(word)
+        total += max(len(w) for w in words_per_bank.values())
+    return total
+
+
+def min_smem_wavefronts(lanes: int, bytes_per_thread: int) -> int:
+    """The fewest wavefronts ``lanes`` accesses of ``bytes_per_thread`` bytes can take."""
+    return -(-lanes * bytes_per_thread // SMEM_WAVEFRONT_BYTES)

@@ -7,6 +7,9 @@ use one to hand over a turn (one arrives, the other syncs).
 
 import enum
 
+import cutlass
+import cutlass.cute as cute
+
 
 class Sm90FwdBarrier(enum.IntEnum):
     # all consumer warpgroups: sO may be overwritten (every wgmma that read sQ is
@@ -17,3 +20,44 @@ class Sm90FwdBarrier(enum.IntEnum):
     SCHEDULER_WG0 = 2
     SCHEDULER_WG1 = 3
     SCHEDULER_WG2 = 4
+    # stage D1: the warpgroups that share rows exchange their row maxima (and, at the
+    # end, their row sums) through SMEM: both sync here between write and read
+    ROW_STATS = 5
+    # stage D1: P of this KV tile is in SMEM (stores fenced) for every warpgroup that
+    # reads it: split warpgroups sync together; otherwise warpgroup w on its own id
+    P_READY = 6
+    P_READY_WG0 = 7
+    P_READY_WG1 = 8
+    P_READY_WG2 = 9
+
+
+
+# ---- ping-pong turns between consumer warpgroups that own different rows (stage C on) ----
+# Warpgroup w syncs on SCHEDULER_WG0 + w before issuing a tile's GEMMs and, once they are
+# issued, arrives on the next warpgroup's (count 2 x 128: the syncing group and the arriving
+# one). Warpgroup 0 arrives on its own barrier once at the start, so it goes first (that extra
+# arrival is the one left pending at exit).
+
+PINGPONG_THREADS = 2 * 128
+
+
+@cute.jit
+def pingpong_start(wg: cutlass.Int32):
+    """Give the first turn to warpgroup 0 (every consumer thread calls it)."""
+    if wg == 0:
+        cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0), number_of_threads=PINGPONG_THREADS)
+
+
+@cute.jit
+def pingpong_wait(wg: cutlass.Int32):
+    """Wait for warpgroup wg's turn to issue its GEMMs."""
+    cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0) + wg, number_of_threads=PINGPONG_THREADS)
+
+
+@cute.jit
+def pingpong_pass(wg: cutlass.Int32, num_wg: cutlass.Constexpr[int]):
+    """Hand the turn to the next consumer warpgroup (round robin over num_wg)."""
+    nxt = (wg + 1) % num_wg
+    if cutlass.const_expr(num_wg == 2):
+        nxt = 1 - wg
+    cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0) + nxt, number_of_threads=PINGPONG_THREADS)

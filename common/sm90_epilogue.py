@@ -35,23 +35,38 @@ def store_o(
     barrier_id: cutlass.Constexpr[int],
     num_threads: cutlass.Constexpr[int],
     is_store_warp: cutlass.Boolean,
+    sO_mine: cute.Tensor | None = None,
+    skip_cols=None,
 ):
     """acc_o (fp32, already normalized) -> sO (tile_m, head_dim, 1) -> tile m_block of
     gO (tile_m, head_dim, m_blocks).
-    Every thread of the ``num_threads`` consumer threads calls it."""
+    Every thread of the ``num_threads`` consumer threads calls it. ``sO_mine``: the part of
+    sO this thread's PV partition covers (default: the whole tile; stage D1's split warpgroups
+    each pass their O columns); ``skip_cols``: leave the view's first columns unwritten (a
+    runtime count: another warpgroup stores them)."""
     r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
     r_o.store(acc_o.load().to(sO.element_type))
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-    cute.autovec_copy(r_o, thr_pv.partition_C(sO[None, None, 0]))
+    view = sO[None, None, 0]
+    if cutlass.const_expr(sO_mine is not None):
+        view = sO_mine
+    tOsO = thr_pv.partition_C(view)
+    if cutlass.const_expr(skip_cols is None):
+        cute.autovec_copy(r_o, tOsO)
+    else:
+        cols = thr_pv.partition_C(cute.make_identity_tensor(cute.product_each(view.shape)))
+        for i in cutlass.range_constexpr(cute.size(r_o)):
+            if cols[i][1] >= skip_cols:
+                tOsO[i] = r_o[i]
     cute.arch.fence_proxy("async.shared", space="cta")
     if is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-        tOsO, tOgO = cpasync.tma_partition(
+        tOsO_tma, tOgO = cpasync.tma_partition(
             tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
         )
         # bulk groups are per thread: one lane issues, commits and waits
         with cute.arch.elect_one():
-            cute.copy(tma_atom_o, tOsO[None, 0], tOgO[None, m_block])
+            cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
     else:

@@ -162,16 +162,33 @@ class OnlineSoftmax:
         return new
 
     @cute.jit
-    def update(self, acc: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
-        """acc (raw scores, masked keys at -inf) <- P in place; returns the per-row
-        rescale factor r (1 for the first tile) for O accumulated so far."""
+    def tile_max(self, acc: cute.Tensor) -> cute.Tensor:
+        """The raw (unscaled) max of each of the thread's rows over this tile's keys,
+        quad-reduced; -inf where every key of the row is masked."""
         rows = acc_rows_view(acc)
         n_rows = cute.size(rows, mode=[0])
         n_cols = cute.size(rows, mode=[1])
+        out = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for i in cutlass.range_constexpr(n_rows):
+            out[i] = quad_allreduce(_max_tree([rows[i, j] for j in range(n_cols)]), _fmax)
+        return out
+
+    @cute.jit
+    def update(self, acc: cute.Tensor, is_first: cutlass.Constexpr[bool], tile_max=None) -> cute.Tensor:
+        """acc (raw scores, masked keys at -inf) <- P in place; returns the per-row
+        rescale factor r (1 for the first tile) for O accumulated so far.
+
+        ``tile_max`` (optional): the rows' raw max over the whole KV tile when this
+        thread holds only part of the tile's keys (stage D1's split warpgroups
+        exchange it); it must be >= the max of this thread's keys and finite."""
+        rows = acc_rows_view(acc)
+        n_rows = cute.size(rows, mode=[0])
+        n_cols = cute.size(rows, mode=[1])
+        if cutlass.const_expr(tile_max is None):
+            tile_max = self.tile_max(acc)
         row_scale = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         for i in cutlass.range_constexpr(n_rows):
-            tile_max = quad_allreduce(_max_tree([rows[i, j] for j in range(n_cols)]), _fmax)
-            m_new = tile_max * self.scale_log2
+            m_new = tile_max[i] * self.scale_log2
             if cutlass.const_expr(not is_first):
                 m_new = _fmax(m_new, self.row_max[i])
                 row_scale[i] = cute.math.exp2(self.row_max[i] - m_new, fastmath=True)
@@ -188,16 +205,27 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def finalize(self) -> cute.Tensor:
-        """Quad-reduce the row sums; returns 1 / rowsum per row (to scale O), and
-        leaves the natural-log LSE in ``row_sum``'s place as ``lse``."""
+    def row_sums(self) -> cute.Tensor:
+        """The quad-reduced row sums (this thread's keys of every tile so far)."""
+        n_rows = cute.size(self.row_sum)
+        total = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for i in cutlass.range_constexpr(n_rows):
+            total[i] = quad_allreduce(self.row_sum[i], _fadd)
+        return total
+
+    @cute.jit
+    def finalize(self, total=None) -> cute.Tensor:
+        """Returns 1 / rowsum per row (to scale O), and leaves the natural-log LSE as
+        ``lse``. ``total``: the rows' full sums when other threads hold some of the keys
+        (default: ``row_sums()``, this quad's keys are all of them)."""
+        if cutlass.const_expr(total is None):
+            total = self.row_sums()
         n_rows = cute.size(self.row_sum)
         inv_sum = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         self.lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         for i in cutlass.range_constexpr(n_rows):
-            total = quad_allreduce(self.row_sum[i], _fadd)
-            inv_sum[i] = cutlass.Float32(1.0) / total
-            self.lse[i] = log_sum_exp(self.row_max[i], total)
+            inv_sum[i] = cutlass.Float32(1.0) / total[i]
+            self.lse[i] = log_sum_exp(self.row_max[i], total[i])
         return inv_sum
 
 

@@ -97,3 +97,56 @@ def gpu_arch_params():
 
 def cuda_device():
     return torch.device("cuda", 0)
+
+
+# ---- one attention call against the float64 reference ------------------------------------
+
+#: stage B's bounds, kept by every attention stage: O relative (Frobenius) error, worst row 3x
+O_REL = {torch.bfloat16: 4e-3, torch.float16: 2e-3}
+LSE_ABS = 1e-4
+
+
+def check_attention(forward, q, k, v, record, g, **case):
+    """Run ``forward(q, k, v, out=, lse_out=)`` into NaN-poisoned outputs and assert O and LSE
+    against the float64 reference, globally and row by row. ``case`` is recorded (and named in
+    the failure message) with the errors; keyword options for ``forward`` go in ``case['options']``."""
+    from common.interface import same_memory
+    from common.reference import attention
+
+    b, sq, h, _ = q.shape
+    o = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
+    forward(q, k, v, out=o, lse_out=lse, **case.get("options", {}))
+    torch.cuda.synchronize()
+    o_ref, lse_ref = attention(q, k, v)
+    e = errors(o, o_ref)
+    lse_err = (lse.double() - lse_ref).abs().max().item() if torch.isfinite(lse).all() else math.inf
+    case = dict(dtype=str(q.dtype), head_dim=q.shape[3], shape=list(q.shape), seqlen_k=k.shape[1],
+                kv_shared=same_memory(k, v), lse_abs=lse_err, **case)
+    record(e, **case)
+    tol = O_REL[q.dtype]
+    msg = f"{case}: {e} lse_abs={lse_err:.2e} (seed {g.initial_seed()})"
+    assert e.within(tol, 3 * tol), msg
+    assert lse_err <= LSE_ABS, msg
+
+
+def run_compute_sanitizer(tool: str, script: str, marker: str = "sanitized case ran"):
+    """Run ``script`` (Python source that prints ``marker`` at its end) under compute-sanitizer's
+    ``tool`` (memcheck, racecheck, synccheck, ...) from the repository root and assert it reports
+    no error. Skips where the sanitizer is not installed."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        pytest.skip("compute-sanitizer is not installed on this machine")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # --report-api-errors=no: torch and the driver probe entry points (cuGetProcAddress) and
+    # get CUDA_ERROR_INVALID_VALUE by design; only the kernels' device-side errors count here
+    cmd = [exe, f"--tool={tool}", "--report-api-errors=no", "--error-exitcode=3", sys.executable, "-c", script]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and marker in out, out[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]

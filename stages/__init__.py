@@ -37,7 +37,7 @@ def _load(pkg: str) -> Stage:
     return Stage(m.ID, m.NAME, m.ADDS, m)
 
 
-STAGES: list[Stage] = [_load("a_qk_gemm"), _load("b_p_onchip"), _load("c_online_softmax")]
+STAGES: list[Stage] = [_load("a_qk_gemm"), _load("b_p_onchip"), _load("c_online_softmax"), _load("d1_smem_p")]
 
 
 def get(stage_id: str) -> Stage:

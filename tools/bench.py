@@ -98,7 +98,56 @@ def bench_stage_c(dev) -> list:
             for d in stage.HEAD_DIMS for s in (1024, 2048, 4096, 8192, 16384)]
 
 
-BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c}
+def bench_stage_d1(dev) -> list:
+    """DeepSeek-V4-Pro's prefill shape: head dim 512, K = V, MQA with 128 query heads, dense,
+    seqlen 4k-16k, against torch's memory-efficient SDPA (the one SM90 peer at 512) and the
+    bf16 matmul ceiling measured in the same run; K != V on the same shape (the cost of the
+    K = V ring's exposed loads, docs/stages/d1_smem_p.md); and head dim 256 K = V MQA against
+    FlashAttention-4 and cuDNN (their widest head dim)."""
+    from stages import d1_smem_p as stage
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    ceiling = bench.tflops(2 * 8192**3, bench.time_ms([lambda a=a: torch.matmul(a, a)], warmup=3, iters=10))
+    del a
+    print(f"matmul ceiling (bf16 8192^3): {ceiling:.0f} TFLOP/s", flush=True)
+    rows = []
+    cases = [(512, s, kv) for s in (4096, 8192, 16384) for kv in ("k_eq_v", "k_ne_v")]
+    cases += [(256, 8192, "k_eq_v")]
+    for d, s, kv in cases:
+        b, h = 1, 128
+        q = random_bshd(b, s, h, d, torch.bfloat16, dev)
+        k = random_bshd(b, s, 1, d, torch.bfloat16, dev)
+        v = k if kv == "k_eq_v" else random_bshd(b, s, 1, d, torch.bfloat16, dev)
+        flop = stage.flops(b, s, s, h, d)
+        ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v)])
+        peers = {"sdpa_mem_efficient": bench.peer_sdpa_mem_efficient} if d == 512 else {
+            "fa4": bench.peer_fa4, "cudnn": bench.peer_cudnn}
+        if d == 512 and kv == "k_ne_v":
+            peers = {}  # the peer's time does not depend on K = V; measured on the K = V rows
+        tf, pms = {}, {}
+        for name, make in peers.items():
+            try:
+                slow = name == "sdpa_mem_efficient"
+                t = bench.time_ms([make(q, k, v)], warmup=2 if slow else 5, iters=10 if slow else 30)
+                tf[name], pms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+                print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+        row = {
+            "stage": "d1", "case": f"b{b} h{h} hk1 sq{s} sk{s} hd{d} {kv} bf16", "head_dim": d, "seqlen": s,
+            "kv": kv, "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
+            "peers": tf, "peer_ms": pms, "time_ratio_vs": {n: round(ms / t, 3) for n, t in pms.items()},
+            "matmul_ceiling_tflops": round(ceiling, 1),
+            "fraction_of_ceiling": round(bench.tflops(flop, ms) / ceiling, 3),
+        }
+        print(f"stage d1 {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s, "
+              f"{row['fraction_of_ceiling']:.0%} of matmul)  peers {tf}", flush=True)
+        rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1}
 
 
 def run(stages=None) -> list:

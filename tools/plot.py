@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import math
 
-COLORS = {"ours": "#d62728", "fa4": "#1f77b4", "cudnn": "#2ca02c"}
+COLORS = {"ours": "#d62728", "ours_k_ne_v": "#ff9896", "fa4": "#1f77b4", "cudnn": "#2ca02c",
+          "sdpa_mem_efficient": "#9467bd"}
+LABELS = {"ours": "ours", "ours_k_ne_v": "ours, K != V", "fa4": "FlashAttention-4", "cudnn": "cuDNN",
+          "sdpa_mem_efficient": "torch mem-efficient SDPA"}
+PEERS = ("fa4", "cudnn", "sdpa_mem_efficient")
 PANEL_W, PANEL_H, PAD = 300, 230, 45
 
 
@@ -33,8 +37,12 @@ def _panel(rows, x0, head_dim, ymax) -> list:
     for s in seqs:
         label = f"{s // 1024}k" if s >= 1024 else str(s)
         out.append(f'<text x="{px(s)}" y="{py(0) + 14}" text-anchor="middle" font-size="10">{label}</text>')
-    series = {"ours": [(r["seqlen"], r["ours_tflops"]) for r in rows]}
-    for peer in ("fa4", "cudnn"):
+    # stage D1 rows carry kv = k_eq_v / k_ne_v: "ours" is the K = V kernel there
+    series = {"ours": [(r["seqlen"], r["ours_tflops"]) for r in rows if r.get("kv", "k_eq_v") == "k_eq_v"]}
+    ne = [(r["seqlen"], r["ours_tflops"]) for r in rows if r.get("kv") == "k_ne_v"]
+    if ne:
+        series["ours_k_ne_v"] = ne
+    for peer in PEERS:
         pts = [(r["seqlen"], r["peers"][peer]) for r in rows if peer in r.get("peers", {})]
         if pts:
             series[peer] = pts
@@ -50,17 +58,20 @@ def attention_chart(rows, title: str) -> str:
     dims = sorted({r["head_dim"] for r in rows})
     vals = [r["ours_tflops"] for r in rows] + [v for r in rows for v in r.get("peers", {}).values()]
     ymax = max(100.0, math.ceil(max(vals, default=100) / 100) * 100)
-    width, height = PANEL_W * len(dims), PANEL_H + 40
+    width, height = max(PANEL_W * len(dims), 740), PANEL_H + 58
     body = []
     for i, d in enumerate(dims):
         body += _panel([r for r in rows if r["head_dim"] == d], i * PANEL_W, d, ymax)
     legend_y = PANEL_H + 22
-    for i, name in enumerate(COLORS):
-        x = 60 + i * 120
+    present = {"ours"} | {p for r in rows for p in r.get("peers", {})} | (
+        {"ours_k_ne_v"} if any(r.get("kv") == "k_ne_v" for r in rows) else set())
+    names = [n for n in COLORS if n in present]
+    step = 130
+    for i, name in enumerate(names):
+        x = 10 + i * step
         body.append(f'<rect x="{x}" y="{legend_y - 9}" width="14" height="4" fill="{COLORS[name]}"/>')
-        label = {"ours": "ours", "fa4": "FlashAttention-4", "cudnn": "cuDNN"}[name]
-        body.append(f'<text x="{x + 20}" y="{legend_y - 4}" font-size="11">{label}</text>')
-    body.append(f'<text x="{width - 10}" y="{legend_y - 4}" text-anchor="end" font-size="11">'
+        body.append(f'<text x="{x + 20}" y="{legend_y - 4}" font-size="11">{LABELS[name]}</text>')
+    body.append(f'<text x="{width - 10}" y="{legend_y + 14}" text-anchor="end" font-size="11">'
                 f'{title} (TFLOP/s vs seqlen)</text>')
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n'

@@ -88,7 +88,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from common.layouts import check_attention_operands, seq_major
 from common.mask import mask_seqlen_k, num_kv_tiles
 from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
-from common.sm90_barriers import Sm90FwdBarrier
+from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
 from common.sm90_epilogue import store_lse, store_o
 from common.sm90_gemm import (
     THREADS_PER_WARPGROUP,
@@ -99,6 +99,7 @@ from common.sm90_gemm import (
     make_tiled_mma,
     make_tma_tile_atom,
 )
+from common.sm90_producer import load_q_k_v, tile_tma_partition
 from common.softmax import OnlineSoftmax, scale_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -304,42 +305,14 @@ class FlashAttentionSm90:
         gV: cute.Tensor,
         sV: cute.Tensor,
     ):
-        """K[n_last], Q, then (K[n - 1], V[n]) for n = n_last .. 1, then V[0]. K of
-        tile n and V of tile n share one slot index (state), each on its own pipeline.
-        Rows past seqlen are zero-filled by TMA and still count their bytes."""
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        n_last = n_blocks - 1
-
-        pipeline_k.producer_acquire(state)
-        cute.copy(tma_atom_k, tKgK[None, n_last], tKsK[None, state.index],
-                  tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(q_bar, self.tile_m * self.head_dim * self.dtype.width // 8)
-        cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, 0], tma_bar_ptr=q_bar)
-
-        for i in cutlass.range(n_last, unroll=1):
-            n = n_last - 1 - i
-            v_state = state.clone()
-            state.advance()
-            pipeline_k.producer_acquire(state)
-            cute.copy(tma_atom_k, tKgK[None, n], tKsK[None, state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-            pipeline_v.producer_acquire(v_state)
-            cute.copy(tma_atom_v, tVgV[None, n + 1], tVsV[None, v_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-
-        pipeline_v.producer_acquire(state)
-        cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, state.index],
-                  tma_bar_ptr=pipeline_v.producer_get_barrier(state))
+        """K[n_last], Q, then (K[n - 1], V[n]) for n = n_last .. 1, then V[0]
+        (common/sm90_producer.py). K of tile n and V of tile n share one slot index."""
+        tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
+        tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
+        tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
+        load_q_k_v(q_bar, pipeline_k, pipeline_v, self.stages, n_blocks, m_block,
+                   self.tile_m * self.head_dim * self.dtype.width // 8,
+                   tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
 
     # -------------------------------------------------------------------------------
     # Consumers: warpgroups 1..W
@@ -388,10 +361,7 @@ class FlashAttentionSm90:
         o_scale = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
 
         if cutlass.const_expr(self.pingpong):
-            if wg == 0:  # the first turn is warpgroup 0's
-                cute.arch.barrier_arrive(
-                    barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0), number_of_threads=2 * THREADS_PER_WARPGROUP
-                )
+            pingpong_start(wg)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
@@ -452,19 +422,10 @@ class FlashAttentionSm90:
     def scheduler_wait(self, wg: cutlass.Int32):
         """Wait for this warpgroup's turn to issue its GEMMs (ping-pong)."""
         if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier(
-                barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0) + wg, number_of_threads=2 * THREADS_PER_WARPGROUP
-            )
+            pingpong_wait(wg)
 
     @cute.jit
     def scheduler_pass(self, wg: cutlass.Int32):
         """Hand the turn to the next consumer warpgroup (round robin)."""
         if cutlass.const_expr(self.pingpong):
-            nxt = wg + 1
-            if cutlass.const_expr(self.num_wg == 2):
-                nxt = 1 - wg
-            else:
-                nxt = nxt % self.num_wg
-            cute.arch.barrier_arrive(
-                barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0) + nxt, number_of_threads=2 * THREADS_PER_WARPGROUP
-            )
+            pingpong_pass(wg, self.num_wg)

@@ -1,0 +1,118 @@
+"""A ring of K = V tiles on SM90 whose tiles land in 64-column chunks, each with its own
+`full` barrier, so the QK GEMM of a tile starts on its first chunk while the rest stream in.
+
+Why (stage D1, K = V at head dim 512): one KV tile serves QK(n) and, a tile later, PV(n);
+QK(n) and PV(n + 1) are in flight together, so the ring holds two tiles, and at head dim
+512 two is all that fits beside Q. Tile n - 1 can then only be loaded once PV(n + 1) has
+released its slot, and with one barrier per tile the next QK waits for all 64 KiB. With a
+barrier per 64-column chunk (8 KiB at 64 keys), QK(n - 1)'s k-steps over chunk c wait only
+for chunk c: the load of the later chunks overlaps the GEMM on the earlier ones.
+
+Barriers (mbarriers in SMEM; slot s of the ring, tile use t of the ring: s = t % slots,
+phase = (t // slots) & 1):
+
+    full[s, c]   arrive count 1: the producer's arrive_and_expect_tx(chunk bytes); the TMA
+                 of chunk c completes the transaction. Consumers wait (phase) before the
+                 k-steps that read chunk c.
+    empty[s]     arrive count = consumer warps: lane 0 of each consumer warp arrives once
+                 the wgmma that read the slot last (PV) has completed. The producer waits
+                 (phase ^ 1: the first use of every slot passes at once) before loading.
+
+Chunk c of slot s is the (tile_n, 64) block at columns 64 c of the slot's (tile_n, d) tile
+in ``common.sm90_gemm.make_tile_smem_layout`` (the layout the QK and PV views read); the
+TMA atom moves one (tile_n, 64) box.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
+
+
+class KvChunkRing:
+    def __init__(self, full: cute.Pointer, empty: cute.Pointer, slots: int, chunks: int, chunk_bytes: int,
+                 consumer_warps: int):
+        self.full = full
+        self.empty = empty
+        self.slots = slots
+        self.chunks = chunks
+        self.chunk_bytes = chunk_bytes
+        self.consumer_warps = consumer_warps
+
+    # DSL control flow carries the object through its two barrier pointers (the rest is static)
+    def __extract_mlir_values__(self):
+        return [v for x in (self.full, self.empty) for v in cutlass.extract_mlir_values(x)]
+
+    def __new_from_mlir_values__(self, values):
+        n = len(cutlass.extract_mlir_values(self.full))
+        new = object.__new__(KvChunkRing)
+        new.__dict__.update(self.__dict__)
+        new.full = cutlass.new_from_mlir_values(self.full, values[:n])
+        new.empty = cutlass.new_from_mlir_values(self.empty, values[n:])
+        return new
+
+    @staticmethod
+    def barrier_count(slots: int, chunks: int) -> tuple[int, int]:
+        """(full, empty) mbarriers a ring needs."""
+        return slots * chunks, slots
+
+    @cute.jit
+    def init(self):
+        """One thread initialises every barrier (the caller fences and syncs the CTA)."""
+        for i in cutlass.range_constexpr(self.slots * self.chunks):
+            cute.arch.mbarrier_init(self.full + i, 1)
+        for s in cutlass.range_constexpr(self.slots):
+            cute.arch.mbarrier_init(self.empty + s, self.consumer_warps)
+
+    @cute.jit
+    def load(self, t: cutlass.Int32, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor,
+             n_block: cutlass.Int32):
+        """Producer (one warp): tile use t <- KV tile n_block. ``src`` (atom, tiles, chunks) and
+        ``dst`` (atom, 1, chunks, slots) are the TMA partitions of the chunked global and
+        SMEM views."""
+        s = t % self.slots
+        phase = (t // self.slots) & 1
+        cute.arch.mbarrier_wait(self.empty + s, phase ^ 1)
+        for c in cutlass.range_constexpr(self.chunks):
+            bar = self.full + (s * self.chunks + c)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.chunk_bytes)
+            cute.copy(tma_atom, src[None, n_block, c], dst[None, 0, c, s], tma_bar_ptr=bar)
+
+    @cute.jit
+    def release(self, t: cutlass.Int32):
+        """Consumer (every thread of every consumer warp calls it): tile use t's slot is free."""
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(self.empty + (t % self.slots))
+
+    @cute.jit
+    def gemm_qk(self, t: cutlass.Int32, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
+                tCrB: cute.Tensor):
+        """Issue acc = A B as one wgmma group over tile use t's slot (``tCrB`` already indexed
+        by slot), waiting for chunk c's barrier before the k-steps that read it."""
+        s = t % self.slots
+        phase = (t // self.slots) & 1
+        k_steps = cute.size(tCrA, mode=[2])
+        per_chunk = k_steps // self.chunks
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(k_steps):
+            if cutlass.const_expr(k % per_chunk == 0):
+                cute.arch.mbarrier_wait(self.full + (s * self.chunks + k // per_chunk), phase)
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+
+def chunk_views(tma_atom: cute.CopyAtom, gKV: cute.Tensor, sKV: cute.Tensor, tile_n: int):
+    """TMA partitions of one (kv head, batch)'s (seqlen, d) tensor cut into (tile_n, 64)
+    chunks, (atom, tiles, chunks), and of the ring (tile_n, d, slots) cut the same way,
+    (atom, 1, chunks, slots)."""
+    g = cute.local_tile(gKV, (tile_n, CHUNK_COLS), (None, None))  # (tile_n, 64, tiles, chunks)
+    s = cute.flat_divide(sKV, (tile_n, CHUNK_COLS))  # (tile_n, 64, 1, chunks, slots)
+    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                 cute.group_modes(g, 0, 2))

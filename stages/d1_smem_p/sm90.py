@@ -1,0 +1,702 @@
+"""Stage D1 on Hopper (SM90): P through SMEM, head dims up to 512, K = V loaded once.
+
+    O[b, i, h, :] = sum_j softmax_j(scale * q_i . k_j) v_j          (input dtype)
+    LSE[b, h, i]  = log sum_j exp(scale * q_i . k_j)                 (fp32, natural log)
+
+Stage C's schedule (a TMA producer warp, consumer warpgroups with setmaxnreg, KV tiles
+visited last-first, the next QK overlapping the softmax) with what head dims past 256 need.
+
+Two layouts of the consumer warpgroups (W = 2, or 3 at head dim 64)
+    rows   (head_dim <= 256, stage C's): warpgroup w owns Q rows [64 w, 64 w + 64) of a
+           64 W-row tile, all keys of each KV tile and all head_dim columns of O. P stays
+           in registers (RS wgmma, stage C) or, with p_in_smem, goes through SMEM (SS wgmma).
+    split  (head_dim >= 320): O's 64 x head_dim fp32 is 256 registers a thread at 512, more
+           than a warpgroup has. Both warpgroups own the same 64 Q rows; warpgroup w
+           computes S for keys [32 w, 32 w + 32) of each 64-key tile (full head-dim
+           reduction, k-subtiles of 16 inside the wgmma) and O's columns
+           [c_w, c_w + width), width = round_up(head_dim / 2, 64), c_0 = 0,
+           c_1 = head_dim - width (64-aligned, so V's column view starts on a swizzle
+           atom; at 320 and 448 the halves overlap by 64 columns, computed by both and
+           stored by warpgroup 0). The PV wgmma is 64 x width x 16, width <= 256.
+           The row max is exchanged through SMEM each tile (ROW_STATS), both warpgroups
+           scale by the same max, each writes its P half into the shared sP (both halves
+           are every warpgroup's A operand) and the row sums meet at the end.
+
+Per consumer warpgroup, per Q tile (intra-warpgroup overlap, as stage C)
+    first:  S = Q K[L]^T (L = n_blocks - 1); mask keys >= seqlen_k; [split: max exchange];
+            m, P, l; P -> registers or sP[buffer of L]; O = 0.
+    tile n = L-1 .. 0:
+            issue S = Q K[n]^T                                 (wgmma group 1)
+            [head_dim > 128: O *= r of the previous tile]
+            issue O += P V[n+1]                                 (group 2, A = P regs or sP)
+            wait group 1; [release K slot]; tile max; [split: write max, sync ROW_STATS,
+            read the other half's]; m, P, l, r
+            wait group 2; release V[n+1] (K = V: the shared slot)
+            P -> registers, or -> sP[n % 2], fence, sync P_READY
+            [head_dim <= 128: O *= r]
+    last:   [O *= r]; O += P V[0]; wait; release.
+    end:    [split: row sums through SMEM (ROW_STATS)]; O /= l; LSE; epilogue (O over sQ,
+            one TMA store).
+
+Why the SMEM buffers are free when written (split; two P buffers):
+    sP[b] is written in tile n's iteration and last read by PV(n + 2) in both warpgroups.
+    This warpgroup waited for its PV(n + 2) (wait group 2, previous iteration); the other
+    warpgroup waited for its PV(n + 2) before it arrived at P_READY of tile n + 1, which
+    this warpgroup has passed. The row-max slots: the other warpgroup reads this one's slot
+    before it arrives at P_READY of the same tile, which the writer passes before writing
+    the next max. rows + p_in_smem: each warpgroup owns its rows of sP and writes them after
+    its own wait for the PV that read them, so one buffer suffices.
+
+K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot K-major, PV
+    reads the same bytes MN-major; the slot is released after PV, so the ring needs >= 2 slots
+    (QK(n) and PV(n+1) hold two), and at head dim 512 two is all that fits. The next tile can
+    then only load after PV(n+1) freed its slot: the tile lands in 64-column chunks, each with
+    its own full barrier, and QK's k-steps over chunk c wait for chunk c only
+    (common/sm90_kv_chunks.py; on the H200 this took head dim 512 from 415-441 to 511-523
+    TFLOP/s). Otherwise K and V have rings of their own (stage C's pipelines).
+
+Pipelines and barriers
+    q_bar          TMA -> consumers: Q landed (one phase).
+    K = V ring     KvChunkRing: full[slot, chunk] (TMA transaction), empty[slot] (one arrive per
+                   consumer warp after the PV that read the slot).
+    pipeline_k/v   K != V: PipelineTmaAsync, full/empty per slot; one release arrive per
+                   consumer warp.
+    ROW_STATS      split: 256 consumer threads, between the row-max (row-sum) writes and reads.
+    P_READY(_WGw)  after the P stores and their async-proxy fence, before any PV reads them.
+    EPILOGUE       sQ free for O, then O in SMEM for the TMA store (common/sm90_epilogue.py).
+
+Default tiles (tile_m x tile_n; SMEM = Q + ring + sP, limit 227 KiB)
+    head dim   64: 192 x 128   128: 128 x 128   192: 128 x 96   256: 128 x 80   (rows)
+    320 .. 512: 64 x 64 (split); ring slots of 64 x head_dim: K = V 4 / 3 / 3 / 2 slots at
+    320 / 384 / 448 / 512, K and V 2 + 2 / 1 + 1 / 1 + 1 / 1 + 1.
+    p_in_smem (rows) takes tile_n = 128 at head dims <= 128, 64 above (whole swizzled rows).
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
+
+from common.compile import SMEM_LIMIT
+from common.layouts import check_attention_operands, seq_major
+from common.mask import mask_seqlen_k, num_kv_tiles
+from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
+from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from common.sm90_epilogue import store_o as epilogue_store_o
+from common.sm90_gemm import (
+    THREADS_PER_WARPGROUP,
+    WGMMA_M,
+    gemm,
+    make_tile_smem_layout,
+    make_tile_smem_layout_mn,
+    make_tiled_mma,
+    make_tma_tile_atom,
+)
+from common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_views
+from common.sm90_producer import load_q, load_q_k_v, tile_tma_partition
+from common.smem_p import make_p_smem_layout, store_p
+from common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
+
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
+SPLIT_FROM = 320  # head dims from which two warpgroups split O's columns
+ROWS_TILES = {64: (192, 128), 128: (128, 128), 192: (128, 96), 256: (128, 80)}
+SPLIT_TILE = (64, 64)
+REGISTERS = {2: (240, 24), 3: (160, 32)}  # setmaxnreg (consumer, producer) per consumer warpgroups
+SMEM_ALIGN = 1024
+SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
+MAX_SLOTS = 4
+
+
+def split_columns(head_dim: int) -> tuple[int, int]:
+    """(width, c_1): each split warpgroup's O columns and warpgroup 1's first column."""
+    width = -(-head_dim // 2 // 64) * 64
+    return width, head_dim - width
+
+
+def smem_buffer(dtype, elems: int, used: bool):
+    """A shared-storage field: 1 KiB-aligned ``elems`` values, or 16 bytes where this
+    configuration does not use the buffer."""
+    if used:
+        return cute.struct.Align[cute.struct.MemRange[dtype, elems], SMEM_ALIGN]
+    return cute.struct.MemRange[dtype, 16 // (dtype.width // 8)]
+
+
+class FlashAttentionD1Sm90:
+    arch = "sm_90a"
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        *,
+        kv_shared: bool = False,
+        p_in_smem: bool | None = None,
+    ):
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise TypeError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.kv_shared = bool(kv_shared)
+        self.split = head_dim >= SPLIT_FROM
+        if self.split:
+            if p_in_smem is False:
+                raise ValueError(f"head_dim {head_dim}: two warpgroups share P, so P must go through SMEM")
+            self.p_in_smem = True
+            self.tile_m, self.tile_n = SPLIT_TILE
+            self.num_wg = 2
+            self.wg_keys = self.tile_n // 2
+            self.o_width, self.o_col1 = split_columns(head_dim)
+            self.p_buffers = 2
+        else:
+            self.p_in_smem = bool(p_in_smem)
+            self.tile_m, self.tile_n = ROWS_TILES[head_dim]
+            if self.p_in_smem:
+                self.tile_n = 128 if head_dim <= 128 else 64
+            self.num_wg = self.tile_m // WGMMA_M
+            self.wg_keys = self.tile_n
+            self.o_width, self.o_col1 = head_dim, 0
+            self.p_buffers = 1
+        self.consumer_regs, self.producer_regs = REGISTERS[self.num_wg]
+        self.consumer_threads = self.num_wg * THREADS_PER_WARPGROUP
+        # ping-pong between warpgroups with their own rows where the softmax is a large
+        # share of a tile (stage C's choice); split warpgroups run in lock step instead
+        self.pingpong = not self.split and head_dim <= 128
+        self.rescale_o_before_pv = head_dim > 128
+        self.slots = self._ring_slots()
+        self.shared_storage = None  # set when __call__ is traced
+
+    def smem_bytes_fixed(self) -> int:
+        q = self.tile_m * self.head_dim * 2
+        p = self.p_buffers * self.tile_m * self.tile_n * 2 if self.p_in_smem else 0
+        stats = 1024 if self.split else 0
+        return q + p + stats + SMEM_RESERVE
+
+    def _ring_slots(self) -> int:
+        """K = V: slots of the one KV ring (>= 2: QK(n) and PV(n+1) hold two); otherwise
+        slots of each of the K and V rings (>= 1)."""
+        slot = self.tile_n * self.head_dim * 2
+        fit = (SMEM_LIMIT - self.smem_bytes_fixed()) // slot
+        if self.kv_shared:
+            slots = min(MAX_SLOTS, fit)
+            need = 2
+        else:
+            slots = min(2, fit // 2)
+            need = 1
+        if slots < need:
+            raise ValueError(f"head_dim {self.head_dim}: the K/V ring does not fit SMEM ({fit} tile slots)")
+        return slots
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
+        mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
+
+        d = self.head_dim
+        qk_mma, pv_mma = self.make_mmas()
+        sQ_layout = make_tile_smem_layout(self.dtype, self.tile_m, d, 1)
+        sKV_layout = make_tile_smem_layout(self.dtype, self.tile_n, d, self.slots)
+        sVt_layout = make_tile_smem_layout_mn(self.dtype, self.tile_n, d, self.slots)
+        sP_layout = self.p_smem_layout()
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_q, tma_q = make_tma_tile_atom(load, mQ, sQ_layout, self.tile_m, d)
+        if cutlass.const_expr(self.kv_shared):  # (tile_n, 64) chunks, one barrier each
+            chunk_layout = make_tile_smem_layout(self.dtype, self.tile_n, CHUNK_COLS, 1)
+            tma_atom_k, tma_k = make_tma_tile_atom(load, mK, chunk_layout, self.tile_n, CHUNK_COLS)
+        else:
+            tma_atom_k, tma_k = make_tma_tile_atom(load, mK, sKV_layout, self.tile_n, d)
+        tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, self.tile_n, d)
+        tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
+        # K = V: KvChunkRing's full (slot x chunk) and empty (slot) barriers; else the K and
+        # V pipelines' full + empty barriers
+        if cutlass.const_expr(self.kv_shared):
+            bars_a, bars_b = KvChunkRing.barrier_count(self.slots, d // CHUNK_COLS)
+        else:
+            bars_a, bars_b = 2 * self.slots, 2 * self.slots
+        sV_t = smem_buffer(self.dtype, cute.cosize(sKV_layout), not self.kv_shared)
+        sP_t = smem_buffer(self.dtype, cute.cosize(sP_layout), self.p_in_smem)
+        stats_t = smem_buffer(cutlass.Float32, 2 * 2 * WGMMA_M, self.split)
+
+        @cute.struct
+        class SharedStorage:
+            q_bar: cutlass.Int64
+            k_bars: cute.struct.MemRange[cutlass.Int64, bars_a]
+            v_bars: cute.struct.MemRange[cutlass.Int64, bars_b]
+            # split: [warpgroup, row] row max, then row sum, of the 64 shared rows
+            row_stats: stats_t
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
+            sV: sV_t
+            sP: sP_t
+
+        self.shared_storage = SharedStorage
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
+            raise ValueError(f"shared storage {SharedStorage.size_in_bytes()} B exceeds {SMEM_LIMIT} B")
+
+        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        self.kernel(
+            qk_mma, pv_mma,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
+            mLSE, scale_log2,
+            sQ_layout, sKV_layout, sVt_layout, sP_layout,
+        ).launch(
+            grid=grid,
+            block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m_block, head, batch = cute.arch.block_idx()
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_o)
+            if cutlass.const_expr(not self.kv_shared):
+                cpasync.prefetch_descriptor(tma_atom_v)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        q_bar = storage.q_bar.ptr
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(q_bar, 1)
+        tile_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+        if cutlass.const_expr(self.kv_shared):
+            chunks = self.head_dim // CHUNK_COLS
+            pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
+                                     tile_bytes // chunks, self.consumer_threads // 32)
+            pipeline_v = None
+            self.init_ring(pipeline_k, warp_idx)
+        else:
+            pipeline_k = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.k_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
+                consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
+            )
+            pipeline_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.v_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
+                consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
+            )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        # K = V: V's views are K's bytes
+        v_buf = storage.sK if self.kv_shared else storage.sV
+        sV = v_buf.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sVt = v_buf.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
+
+        d = self.head_dim
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        n_blocks = num_kv_tiles(mK.shape[0], self.tile_n)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(
+                    q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
+                    tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK[None, None, head_kv, batch],
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
+                sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, mLSE, scale_log2,
+                m_block, head, batch, mQ.shape[0], mK.shape[0],
+            )
+
+    @cute.jit
+    def init_ring(self, ring: KvChunkRing, warp_idx: cutlass.Int32):
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                ring.init()
+
+    # -------------------------------------------------------------------------------
+    # Producer: warp 0
+    # -------------------------------------------------------------------------------
+
+    @cute.jit
+    def load(
+        self,
+        q_bar: cute.Pointer,
+        pipeline_k,
+        pipeline_v,
+        n_blocks: cutlass.Int32,
+        m_block: cutlass.Int32,
+        tma_atom_q: cute.CopyAtom,
+        gQ: cute.Tensor,
+        sQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        gK: cute.Tensor,
+        sK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        gV: cute.Tensor,
+        sV: cute.Tensor,
+        mK_hb: cute.Tensor,  # K's (seqlen, d) of this (kv head, batch): K = V's chunked loads
+    ):
+        """K[L], Q, then the tiles in the order the consumers need them: K = V, KV[n] for
+        n = L-1 .. 0 (one load serves both GEMMs); otherwise (K[n - 1], V[n]) pairs as
+        stage C, then V[0]. Rows past seqlen are zero-filled by TMA."""
+        tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
+        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8
+        if cutlass.const_expr(self.kv_shared):
+            ring = pipeline_k
+            n_last = n_blocks - 1
+            tKsK, tKgK = chunk_views(tma_atom_k, mK_hb, sK, self.tile_n)
+            ring.load(0, tma_atom_k, tKgK, tKsK, n_last)
+            load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
+            for i in cutlass.range(n_last, unroll=1):
+                ring.load(i + 1, tma_atom_k, tKgK, tKsK, n_last - 1 - i)
+        else:  # stage C's order (common/sm90_producer.py)
+            tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
+            tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
+            load_q_k_v(q_bar, pipeline_k, pipeline_v, self.slots, n_blocks, m_block, q_bytes,
+                       tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
+
+    # -------------------------------------------------------------------------------
+    # Consumers: warpgroups 1..W
+    # -------------------------------------------------------------------------------
+
+    @cute.jit
+    def consume(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        q_bar: cute.Pointer,
+        pipeline_k,
+        pipeline_v,
+        n_blocks: cutlass.Int32,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        sP: cute.Tensor,
+        row_stats: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        gO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        m_block: cutlass.Int32,
+        head: cutlass.Int32,
+        batch: cutlass.Int32,
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
+    ):
+        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        views = self.warpgroup_views(wg, tidx, qk_mma, pv_mma, sQ, sK, sVt, sP)
+        tSrQ, tSrK, tOrV, tOrP_smem, tPsP, tScS, thr_qk, thr_pv = views
+
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.qk_rows(), self.wg_keys)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.qk_rows(), self.o_width)))
+        r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # P, 16-bit, laid out like S
+        tOrP = as_a_operand(r_p)
+        softmax = OnlineSoftmax(acc_s.layout, scale_log2)
+        o_scale = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
+        # split: this thread's rows within the 64 shared rows, and whether it writes them
+        stat_rows = acc_rows_view(tScS)
+
+        if cutlass.const_expr(self.pingpong):
+            pingpong_start(wg)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.slots)
+        p_buf = n_blocks - 1  # sP buffer = tile index mod p_buffers
+
+        # ---- first tile (n_blocks - 1, holds the last key) ---------------------------
+        t = cutlass.Int32(0)  # K = V: tile use of the ring (tile n_blocks - 1 - t)
+        cute.arch.mbarrier_wait(q_bar, 0)
+        if cutlass.const_expr(self.kv_shared):
+            pipeline_k.gemm_qk(t, qk_mma, acc_s, tSrQ, tSrK[None, None, None, 0])
+        else:
+            pipeline_k.consumer_wait(state)
+            gemm(qk_mma, acc_s, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        warpgroup.wait_group(0)
+        if cutlass.const_expr(not self.kv_shared):
+            pipeline_k.consumer_release(state)
+        mask_seqlen_k(acc_s, tScS, n_blocks - 1, self.tile_n, seqlen_k)
+        softmax.update(acc_s, is_first=True, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg))
+        self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
+        acc_o.fill(0.0)
+        o_scale.fill(1.0)
+
+        # ---- every further tile: QK(n) and PV(n + 1) in flight, then softmax(n) --------
+        for _ in cutlass.range(n_blocks - 1, unroll=1):
+            v_state = state.clone()
+            t_v = t
+            if cutlass.const_expr(self.kv_shared):
+                t = t + 1
+                self.scheduler_wait(wg)
+                pipeline_k.gemm_qk(t, qk_mma, acc_s, tSrQ, tSrK[None, None, None, t % self.slots])
+            else:
+                state.advance()
+                pipeline_k.consumer_wait(state)
+                self.scheduler_wait(wg)
+                gemm(qk_mma, acc_s, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            if cutlass.const_expr(self.rescale_o_before_pv):
+                scale_rows(acc_o, o_scale)
+            if cutlass.const_expr(self.kv_shared):
+                self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, t_v % self.slots, p_buf)
+            else:
+                pipeline_v.consumer_wait(v_state)
+                self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, v_state.index, p_buf)
+            self.scheduler_pass(wg)
+            warpgroup.wait_group(1)  # S(n) complete; PV may still run
+            if cutlass.const_expr(not self.kv_shared):
+                pipeline_k.consumer_release(state)
+            row_scale = softmax.update(
+                acc_s, is_first=False, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg)
+            )
+            warpgroup.wait_group(0)  # PV(n + 1) complete: P, O and the V slot are free
+            if cutlass.const_expr(self.kv_shared):
+                pipeline_k.release(t_v)
+            else:
+                pipeline_v.consumer_release(v_state)
+            p_buf = p_buf - 1
+            self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
+            if cutlass.const_expr(self.rescale_o_before_pv):
+                o_scale.store(row_scale.load())
+            else:
+                scale_rows(acc_o, row_scale)
+
+        # ---- last PV (tile 0) -------------------------------------------------------
+        if cutlass.const_expr(self.rescale_o_before_pv):
+            scale_rows(acc_o, o_scale)
+        if cutlass.const_expr(self.kv_shared):
+            self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, t % self.slots, p_buf)
+            warpgroup.wait_group(0)
+            pipeline_k.release(t)
+        else:
+            pipeline_v.consumer_wait(state)
+            self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, state.index, p_buf)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(state)
+
+        # ---- epilogue ------------------------------------------------------------------
+        total = None
+        if cutlass.const_expr(self.split):
+            total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
+        inv_sum = softmax.finalize(total)
+        scale_rows(acc_o, inv_sum)
+        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
+        if cutlass.const_expr(self.split):
+            if wg == 0:  # both halves hold the same rows' LSE
+                self.store_lse(mLSE, softmax.lse, tScS, m_block, head, batch, seqlen_q, wg)
+        else:
+            self.store_lse(mLSE, softmax.lse, tScS, m_block, head, batch, seqlen_q, wg)
+
+    # -------------------------------------------------------------------------------
+    # Pieces of the consumer loop
+    # -------------------------------------------------------------------------------
+
+    def make_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
+        """(QK, PV) tiled MMAs: one warpgroup's (split) or all warpgroups stacked along M.
+        PV's A is sP (SS wgmma) or the P registers (RS wgmma, stage C)."""
+        warpgroups = 1 if self.split else self.num_wg
+        qk_mma = make_tiled_mma(self.dtype, self.wg_keys, warpgroups=warpgroups)
+        if self.p_in_smem:
+            pv_mma = make_tiled_mma(self.dtype, self.o_width, b_major=OperandMajorMode.MN, warpgroups=warpgroups)
+        else:
+            pv_mma = make_pv_tiled_mma(self.dtype, self.head_dim, warpgroups=warpgroups)
+        return qk_mma, pv_mma
+
+    def p_smem_layout(self) -> cute.ComposedLayout:
+        """sP (tile_m, tile_n, p_buffers) (common/smem_p.py); a 64-key placeholder view
+        where P stays in registers (no bytes are allocated for it then)."""
+        if self.p_in_smem:
+            return make_p_smem_layout(self.dtype, self.tile_m, self.tile_n, self.p_buffers)
+        return make_p_smem_layout(self.dtype, self.tile_m, 64, 1)
+
+    @cute.jit
+    def p_store_view(self, sP: cute.Tensor, wg, thr_qk: cute.ThrMma) -> cute.Tensor:
+        """This thread's P values in sP, (acc_s's layout, buffers): the QK accumulator
+        partition of the warpgroup's (64 rows, its 32 keys) block (split) or of the whole
+        (tile_m, tile_n) tile (rows; the partition picks the warpgroup's rows)."""
+        if cutlass.const_expr(self.split):
+            return thr_qk.partition_C(cute.local_tile(sP, (WGMMA_M, self.wg_keys), (0, wg, None)))
+        else:
+            return thr_qk.partition_C(sP)
+
+    def qk_rows(self) -> int:
+        """Rows of the QK / PV tiled MMAs: one warpgroup's 64 (split) or the whole tile."""
+        return WGMMA_M if self.split else self.tile_m
+
+    @cute.jit
+    def warpgroup_views(self, wg, tidx, qk_mma, pv_mma, sQ, sK, sVt, sP):
+        """The operand fragments and partitions of consumer warpgroup ``wg``.
+
+        rows:  the tiled MMAs span all warpgroups along M; slice by the thread index.
+        split: one-warpgroup MMAs; warpgroup w takes keys [32 w, 32 w + 32) of the K tile
+               (4 KiB into each 64-column block, whole 1 KiB swizzle atoms) and V's
+               columns [c_w, c_w + width) (whole 64-column blocks)."""
+        if cutlass.const_expr(self.split):
+            sub = tidx % THREADS_PER_WARPGROUP
+            thr_qk = qk_mma.get_slice(sub)
+            thr_pv = pv_mma.get_slice(sub)
+            wg_qk = qk_mma.get_slice(0)
+            wg_pv = pv_mma.get_slice(0)
+            sK_w, sVt_w = self.split_operand_views(sK, sVt, wg)
+            keys = cute.local_tile(cute.make_identity_tensor((WGMMA_M, self.tile_n)), (WGMMA_M, self.wg_keys), (0, wg))
+        else:
+            thr_qk = qk_mma.get_slice(tidx)
+            thr_pv = pv_mma.get_slice(tidx)
+            wg_qk = qk_mma.get_slice(wg * THREADS_PER_WARPGROUP)
+            wg_pv = pv_mma.get_slice(wg * THREADS_PER_WARPGROUP)
+            sK_w = sK
+            sVt_w = sVt
+            keys = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tSrQ = qk_mma.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0]  # (MMA, 1, d/16)
+        tSrK = qk_mma.make_fragment_B(wg_qk.partition_B(sK_w))  # (MMA, 1, d/16, slots)
+        tOrV = pv_mma.make_fragment_B(wg_pv.partition_B(sVt_w))  # (MMA, 1, N/16, slots)
+        tOrP_smem = None
+        tPsP = None
+        if cutlass.const_expr(self.p_in_smem):
+            tOrP_smem = pv_mma.make_fragment_A(wg_pv.partition_A(sP))  # (MMA, 1, N/16, buffers)
+            tPsP = self.p_store_view(sP, wg, thr_qk)
+        tScS = thr_qk.partition_C(keys)  # (row, key) of every S value within the tile
+        return tSrQ, tSrK, tOrV, tOrP_smem, tPsP, tScS, thr_qk, thr_pv
+
+    @cute.jit
+    def split_operand_views(self, sK: cute.Tensor, sVt: cute.Tensor, wg):
+        """split: warpgroup w's QK B operand, keys [32 w, 32 w + 32) of each K slot
+        (keys, d, slots), and its PV B operand, V's columns [c_w, c_w + width) of each slot
+        (width, keys, slots)."""
+        sK_w = cute.local_tile(sK, (self.wg_keys, self.head_dim), (wg, 0, None))
+        sVt_w = cute.local_tile(
+            cute.domain_offset((wg * self.o_col1, 0, 0), sVt), (self.o_width, self.tile_n), (0, 0, None)
+        )
+        return sK_w, sVt_w
+
+    @cute.jit
+    def tile_max(self, softmax, acc_s, stat_rows, row_stats, wg):
+        """The rows' raw max over the whole KV tile. split: this half's max to SMEM (one
+        lane per quad), sync ROW_STATS, max with the other half's; else None (local)."""
+        if cutlass.const_expr(self.split):
+            own = softmax.tile_max(acc_s)
+            if stat_rows[0, 0][1] == wg * self.wg_keys:  # the quad's first lane
+                for i in cutlass.range_constexpr(cute.size(own)):
+                    row_stats[stat_rows[i, 0][0], wg, 0] = own[i]
+            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
+            for i in cutlass.range_constexpr(cute.size(own)):
+                own[i] = cute.arch.fmax(own[i], row_stats[stat_rows[i, 0][0], 1 - wg, 0])
+            return own
+        else:
+            return None
+
+    @cute.jit
+    def exchange_sums(self, softmax, stat_rows, row_stats, wg):
+        """split: the full row sums, this half's plus the other's, through SMEM."""
+        own = softmax.row_sums()
+        if stat_rows[0, 0][1] == wg * self.wg_keys:
+            for i in cutlass.range_constexpr(cute.size(own)):
+                row_stats[stat_rows[i, 0][0], wg, 1] = own[i]
+        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
+        for i in cutlass.range_constexpr(cute.size(own)):
+            own[i] = own[i] + row_stats[stat_rows[i, 0][0], 1 - wg, 1]
+        return own
+
+    @cute.jit
+    def stage_p(self, acc_s, r_p, tPsP, p_buf, wg):
+        """P -> 16 bits, in registers (stays there) or stored to sP[p_buf % buffers],
+        fenced, and the readers synced."""
+        if cutlass.const_expr(self.p_in_smem):
+            store_p(acc_s, r_p, tPsP[None, None, None, p_buf % self.p_buffers])
+            if cutlass.const_expr(self.split):
+                cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.P_READY), number_of_threads=self.consumer_threads)
+            else:
+                cute.arch.barrier(
+                    barrier_id=int(Sm90FwdBarrier.P_READY_WG0) + wg, number_of_threads=THREADS_PER_WARPGROUP
+                )
+        else:
+            convert_p_packed(acc_s, r_p)
+
+    @cute.jit
+    def pv(self, pv_mma, acc_o, tOrP, tOrP_smem, tOrV, v_index, p_buf):
+        """Issue O += P V with P from registers or from sP[p_buf % buffers]."""
+        if cutlass.const_expr(self.p_in_smem):
+            gemm(pv_mma, acc_o, tOrP_smem[None, None, None, p_buf % self.p_buffers],
+                 tOrV[None, None, None, v_index], zero_init=False)
+        else:
+            gemm(pv_mma, acc_o, tOrP, tOrV[None, None, None, v_index], zero_init=False)
+
+    @cute.jit
+    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx):
+        """O (normalized) -> 16 bits -> SMEM over sQ -> one TMA store (common/sm90_epilogue.py).
+        split: warpgroup w writes its columns; where the halves overlap (320, 448) warpgroup 1
+        skips the columns warpgroup 0 writes."""
+        barrier_id = int(Sm90FwdBarrier.EPILOGUE)
+        is_store_warp = tidx // 32 == 0
+        if cutlass.const_expr(self.split):
+            sO_w = cute.local_tile(cute.domain_offset((0, wg * self.o_col1), sQ[None, None, 0]),
+                                   (WGMMA_M, self.o_width), (0, 0))
+            if cutlass.const_expr(self.o_col1 == self.o_width):
+                epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
+                                 is_store_warp, sO_mine=sO_w)
+            else:
+                overlap = self.o_width - self.o_col1
+                epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
+                                 is_store_warp, sO_mine=sO_w, skip_cols=wg * overlap)
+        else:
+            epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
+                             is_store_warp)
+
+    @cute.jit
+    def store_lse(self, mLSE, lse, tScS, m_block, head, batch, seqlen_q, wg):
+        """One writer per row: the quad lane holding the warpgroup's first key."""
+        rows_c = acc_rows_view(tScS)
+        first_key = wg * self.wg_keys if self.split else 0
+        if rows_c[0, 0][1] == first_key:
+            for i in cutlass.range_constexpr(cute.size(rows_c, mode=[0])):
+                row = m_block * self.tile_m + rows_c[i, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[i]
+
+    @cute.jit
+    def scheduler_wait(self, wg: cutlass.Int32):
+        if cutlass.const_expr(self.pingpong):
+            pingpong_wait(wg)
+
+    @cute.jit
+    def scheduler_pass(self, wg: cutlass.Int32):
+        if cutlass.const_expr(self.pingpong):
+            pingpong_pass(wg, self.num_wg)
