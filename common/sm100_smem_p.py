@@ -49,7 +49,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Int32
-from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from cutlass.cute.nvgpu import tcgen05
 
 from common.tmem import (
     ACC_DTYPE,
@@ -60,11 +60,13 @@ from common.tmem import (
     QK_TILE_M,
     TMEM_COLUMNS,
     TmemRegion,
+    checked_alloc_columns,
+    column_failures,
     make_acc_fragment,
+    make_pv_tiled_mma,
     make_qk_tiled_mma,
     p_region,
     p_store_region,
-    tmem_alloc_columns,
 )
 
 #: 16-bit values per 16-byte SMEM store of P
@@ -183,26 +185,13 @@ def make_qk_mma(dtype, plan: SmemPPlan) -> cute.TiledMma:
 
 
 def make_pv_ss_tiled_mma(dtype, n_chunk: int) -> cute.TiledMma:
-    """O[:, chunk] += P V[:, chunk]: cta_group::1, M = 128, N = ``n_chunk`` (<= 256), K = 16;
-    A = P from SMEM (K-major: keys contiguous), B = V from SMEM (MN-major: head dim contiguous)."""
-    if n_chunk > PV_MAX_N or n_chunk % 16:
-        raise ValueError(f"PV N chunk must be a multiple of 16 and <= {PV_MAX_N}; got {n_chunk}")
-    op = tcgen05.MmaF16BF16Op(
-        dtype, ACC_DTYPE, (QK_TILE_M, n_chunk, MMA_INST_K), tcgen05.CtaGroup.ONE,
-        tcgen05.OperandSource.SMEM, OperandMajorMode.K, OperandMajorMode.MN,
-    )  # fmt: skip
-    return cute.make_tiled_mma(op)
+    """O[:, chunk] += P V[:, chunk] with A = P from SMEM (``common.tmem.make_pv_tiled_mma``, SS)."""
+    return make_pv_tiled_mma(dtype, n_chunk, tcgen05.OperandSource.SMEM)
 
 
 def make_pv_ts_tiled_mma(dtype, n_chunk: int) -> cute.TiledMma:
-    """The same GEMM with A = P from TMEM (a TS MMA, stage C's), for ``p_in_smem`` False."""
-    if n_chunk > PV_MAX_N or n_chunk % 16:
-        raise ValueError(f"PV N chunk must be a multiple of 16 and <= {PV_MAX_N}; got {n_chunk}")
-    op = tcgen05.MmaF16BF16Op(
-        dtype, ACC_DTYPE, (QK_TILE_M, n_chunk, MMA_INST_K), tcgen05.CtaGroup.ONE,
-        tcgen05.OperandSource.TMEM, OperandMajorMode.K, OperandMajorMode.MN,
-    )  # fmt: skip
-    return cute.make_tiled_mma(op)
+    """The same GEMM with A = P from TMEM (stage C's TS MMA), for ``p_in_smem`` False."""
+    return make_pv_tiled_mma(dtype, n_chunk, tcgen05.OperandSource.TMEM)
 
 
 def make_pv_mma(dtype, plan: SmemPPlan) -> cute.TiledMma:
@@ -345,13 +334,7 @@ class SmemPTmemMap:
         for n, a, b in self.spans():
             if n == "P" and not (spans[0][1] <= a and b <= spans[0][2]):
                 fails.append(f"P (columns {a}..{b - 1}) is not inside S ({spans[0][1]}..{spans[0][2] - 1})")
-        for x, (n1, a1, b1) in enumerate(spans):
-            for n2, a2, b2 in spans[x + 1:]:
-                if a1 < b2 and a2 < b1:
-                    fails.append(f"{n1} (columns {a1}..{b1 - 1}) overlaps {n2} ({a2}..{b2 - 1})")
-        for n, _a, b in spans:
-            if b > TMEM_COLUMNS:
-                fails.append(f"{n} ends at column {b - 1}, past the {TMEM_COLUMNS} TMEM columns")
+        fails += column_failures(spans)
         o_spans = spans[1:]
         for (n1, _a1, b1), (n2, a2, _b2) in zip(o_spans[:-1], o_spans[1:], strict=True):
             if b1 != a2:
@@ -359,10 +342,7 @@ class SmemPTmemMap:
         return fails
 
     def alloc_columns(self) -> int:
-        fails = self.failures()
-        if fails:
-            raise ValueError("TMEM map: " + "; ".join(fails))
-        return tmem_alloc_columns(max(b for _n, _a, b in self.spans()))
+        return checked_alloc_columns(self)
 
 
 # =======================================================================================

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
 
+from common.sm90_gemm import tile_tma_partition
 from common.softmax import acc_rows_view
 
 
@@ -61,9 +61,7 @@ def store_o(
     cute.arch.fence_proxy("async.shared", space="cta")
     if is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-        tOsO_tma, tOgO = cpasync.tma_partition(
-            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-        )
+        tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
         # bulk groups are per thread: one lane issues, commits and waits
         with cute.arch.elect_one():
             cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])

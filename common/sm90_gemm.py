@@ -36,6 +36,10 @@ WGMMA_M = 64  # rows of one wgmma atom, i.e. of one warpgroup
 NUM_MMA_WARPGROUPS = TILE_M // WGMMA_M
 THREADS_PER_WARPGROUP = 128
 NUM_THREADS = NUM_MMA_WARPGROUPS * THREADS_PER_WARPGROUP
+# setmaxnreg (consumer, producer) per consumer-warpgroup count of the warp-specialized kernels
+# (one producer warpgroup): 65536 registers over 128 x (1 + W) threads, in multiples of 8
+REGISTERS = {2: (240, 24), 3: (160, 32)}
+SMEM_ALIGN = 1024  # the 128B swizzle repeats every 8 rows (1 KiB); wgmma descriptors assume it
 
 
 def num_k_blocks(head_dim: int) -> int:
@@ -152,6 +156,13 @@ def make_tma_tile_atom(
     k-block, issued by one ``cute.copy``). ``op``: CopyBulkTensorTileG2SOp (load,
     zero fill past seqlen) or CopyBulkTensorTileS2GOp (store, rows past seqlen clipped)."""
     return cpasync.make_tiled_tma_atom(op, m_sdhb, cute.slice_(smem_layout_staged, (None, None, 0)), (rows, head_dim))
+
+
+def tile_tma_partition(tma_atom: cute.CopyAtom, sX: cute.Tensor, gX: cute.Tensor):
+    """(SMEM, global) TMA partitions of whole (rows, cols) tiles: sX (rows, cols, slots) and
+    gX (rows, cols, tiles) -> (atom, slots) and (atom, tiles)."""
+    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                 cute.group_modes(gX, 0, 2))
 
 
 @cute.jit

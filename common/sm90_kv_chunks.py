@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
+
+from common.sm90_gemm import tile_tma_partition
 
 CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 
@@ -114,5 +116,4 @@ def chunk_views(tma_atom: cute.CopyAtom, gKV: cute.Tensor, sKV: cute.Tensor, til
     (atom, 1, chunks, slots)."""
     g = cute.local_tile(gKV, (tile_n, CHUNK_COLS), (None, None))  # (tile_n, 64, tiles, chunks)
     s = cute.flat_divide(sKV, (tile_n, CHUNK_COLS))  # (tile_n, 64, 1, chunks, slots)
-    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                 cute.group_modes(g, 0, 2))
+    return tile_tma_partition(tma_atom, s, g)

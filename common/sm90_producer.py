@@ -18,14 +18,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import cpasync
-
-
-def tile_tma_partition(tma_atom: cute.CopyAtom, sX: cute.Tensor, gX: cute.Tensor):
-    """(SMEM, global) TMA partitions of whole (rows, cols) tiles: sX (rows, cols, slots) and
-    gX (rows, cols, tiles) -> (atom, slots) and (atom, tiles)."""
-    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                 cute.group_modes(gX, 0, 2))
 
 
 @cute.jit

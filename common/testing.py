@@ -106,6 +106,17 @@ O_REL = {torch.bfloat16: 4e-3, torch.float16: 2e-3}
 LSE_ABS = 1e-4
 
 
+def attention_inputs(b, sq, sk, h, hk, d, dtype, *, kv_shared=False, magnitude=1.0):
+    """Fresh random q [b, sq, h, d], k and v [b, sk, hk, d] on the GPU (v is k when
+    ``kv_shared``), with the generator (its seed names the case in failure messages).
+    ``magnitude`` scales q and k, so the scores grow with its square."""
+    dev, g = cuda_device(), fresh_generator()
+    q = random_bshd(b, sq, h, d, dtype, dev, magnitude=magnitude, generator=g)
+    k = random_bshd(b, sk, hk, d, dtype, dev, magnitude=magnitude, generator=g)
+    v = k if kv_shared else random_bshd(b, sk, hk, d, dtype, dev, generator=g)
+    return q, k, v, g
+
+
 def check_attention(forward, q, k, v, record, g, **case):
     """Run ``forward(q, k, v, out=, lse_out=)`` into NaN-poisoned outputs and assert O and LSE
     against the float64 reference, globally and row by row. ``case`` is recorded (and named in

@@ -336,18 +336,19 @@ def make_p_tmem_store(p_chunks: cute.Tensor, store_cols: int = P_STORE_COLS, op=
     return tcgen05.make_tmem_copy(atom, p_chunks[None, None, 0, 0])
 
 
-def make_pv_tiled_mma(ab_dtype, head_dim: int) -> cute.TiledMma:
-    """The tcgen05 MMA for O = P V: cta_group::1, M = 128, N = head_dim, K = 16 per
-    instruction; A = P from TMEM (K-major, the only TMEM form), B = V from SMEM, MN-major
-    (V is (keys, head_dim) with head_dim contiguous, i.e. N-contiguous); fp32 O in TMEM."""
+def make_pv_tiled_mma(ab_dtype, head_dim: int, a_source=tcgen05.OperandSource.TMEM) -> cute.TiledMma:
+    """The tcgen05 MMA for O = P V: cta_group::1, M = 128, N = head_dim (or one N chunk of O,
+    stage D1), K = 16 per instruction; A = P from TMEM (a TS MMA, stages B and C) or from SMEM
+    (SS, stage D1's SMEM-P), K-major either way; B = V from SMEM, MN-major (V is (keys,
+    head_dim) with head_dim contiguous, i.e. N-contiguous); fp32 O in TMEM."""
     if head_dim > PV_MAX_N or head_dim % 16:
-        raise ValueError(f"PV MMA N = head_dim must be a multiple of 16 and <= {PV_MAX_N}; got {head_dim}")
+        raise ValueError(f"PV MMA N must be a multiple of 16 and <= {PV_MAX_N}; got {head_dim}")
     op = tcgen05.MmaF16BF16Op(
         ab_dtype,
         ACC_DTYPE,
         (QK_TILE_M, head_dim, MMA_INST_K),
         tcgen05.CtaGroup.ONE,
-        tcgen05.OperandSource.TMEM,
+        a_source,
         OperandMajorMode.K,
         OperandMajorMode.MN,
     )
@@ -465,21 +466,33 @@ class AttentionTmemMap:
             if not (sa <= pa and pb <= sb):
                 fails.append(f"P{i} (columns {pa}..{pb - 1}) is not inside S{i} ({sa}..{sb - 1})")
         owners = [(n, a, b) for n, a, b in self.spans() if not n.startswith("P")]
-        for x, (n1, a1, b1) in enumerate(owners):
-            for n2, a2, b2 in owners[x + 1:]:
-                if a1 < b2 and a2 < b1:
-                    fails.append(f"{n1} (columns {a1}..{b1 - 1}) overlaps {n2} ({a2}..{b2 - 1})")
-        for n, _a, b in owners:
-            if b > _TMEM_MAX_COLS:
-                fails.append(f"{n} ends at column {b - 1}, past the {_TMEM_MAX_COLS} TMEM columns")
-        return fails
+        return fails + column_failures(owners)
 
     def alloc_columns(self) -> int:
-        """The column count to allocate (a power of two), after checking the map."""
-        fails = self.failures()
-        if fails:
-            raise ValueError("TMEM map: " + "; ".join(fails))
-        return tmem_alloc_columns(max(b for _n, _a, b in self.spans()))
+        return checked_alloc_columns(self)
+
+
+def column_failures(owners) -> list[str]:
+    """Regions that own TMEM columns, (name, first, one past the last): any two sharing a column,
+    any past column 511 (the checks every TMEM map makes)."""
+    fails = []
+    for x, (n1, a1, b1) in enumerate(owners):
+        for n2, a2, b2 in owners[x + 1:]:
+            if a1 < b2 and a2 < b1:
+                fails.append(f"{n1} (columns {a1}..{b1 - 1}) overlaps {n2} ({a2}..{b2 - 1})")
+    for n, _a, b in owners:
+        if b > _TMEM_MAX_COLS:
+            fails.append(f"{n} ends at column {b - 1}, past the {_TMEM_MAX_COLS} TMEM columns")
+    return fails
+
+
+def checked_alloc_columns(tmem_map) -> int:
+    """The column count to allocate (a power of two) for a map with ``spans()`` and
+    ``failures()``, after checking it."""
+    fails = tmem_map.failures()
+    if fails:
+        raise ValueError("TMEM map: " + "; ".join(fails))
+    return tmem_alloc_columns(max(b for _n, _a, b in tmem_map.spans()))
 
 
 def uniform_stride(cols, what: str) -> int:

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from common.testing import (
+    attention_inputs,
     check_attention,
-    cuda_device,
-    fresh_generator,
     gpu_arch_params,
-    random_bshd,
     run_compute_sanitizer,
 )
 from stages import c_online_softmax as stage
@@ -28,11 +26,7 @@ def check(arch, q, k, v, record, g, **case):
 
 
 def inputs(b, sq, sk, h, hk, d, dtype, magnitude=1.0):
-    dev, g = cuda_device(), fresh_generator()
-    q = random_bshd(b, sq, h, d, dtype, dev, magnitude=magnitude, generator=g)
-    k = random_bshd(b, sk, hk, d, dtype, dev, magnitude=magnitude, generator=g)
-    v = random_bshd(b, sk, hk, d, dtype, dev, generator=g)
-    return q, k, v, g
+    return attention_inputs(b, sq, sk, h, hk, d, dtype, magnitude=magnitude)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.testing import (
+    attention_inputs,
     check_attention,
     cuda_device,
     fresh_generator,
@@ -28,11 +29,7 @@ WIDE = (320, 384, 448, 512)
 
 
 def inputs(b, sq, sk, h, hk, d, dtype, kv_shared, magnitude=1.0):
-    dev, g = cuda_device(), fresh_generator()
-    q = random_bshd(b, sq, h, d, dtype, dev, magnitude=magnitude, generator=g)
-    k = random_bshd(b, sk, hk, d, dtype, dev, magnitude=magnitude, generator=g)
-    v = k if kv_shared else random_bshd(b, sk, hk, d, dtype, dev, generator=g)
-    return q, k, v, g
+    return attention_inputs(b, sq, sk, h, hk, d, dtype, kv_shared=kv_shared, magnitude=magnitude)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -56,27 +56,42 @@ def bench_stage_a(dev) -> list:
     return rows
 
 
-def attention_row(stage, dev, b, h, sq, sk, d) -> dict:
-    """One attention case: ours against FlashAttention-4 and cuDNN on the same rotated tensors."""
-    per_set = 2 * (2 * b * sq * h * d + 2 * b * sk * h * d)
+PEERS = {"fa4": bench.peer_fa4, "cudnn": bench.peer_cudnn, "sdpa_mem_efficient": bench.peer_sdpa_mem_efficient}
+SLOW_PEERS = {"sdpa_mem_efficient"}  # timed with fewer iterations
+
+
+def attention_row(stage, dev, b, h, sq, sk, d, *, kv_heads=None, kv_shared=False, peers=("fa4", "cudnn"),
+                  extra=None) -> dict:
+    """One attention case: ours against ``peers`` on the same rotated tensors. ``kv_heads``
+    (default h) KV heads; ``kv_shared``: one tensor as K and V (the stage's K = V path)."""
+    hk = h if kv_heads is None else kv_heads
+    per_set = 2 * (2 * b * sq * h * d + (1 if kv_shared else 2) * b * sk * hk * d)
     n = bench.rotation_count(per_set, maximum=8)
-    sets = [tuple(random_bshd(b, s, h, d, torch.bfloat16, dev) for s in (sq, sk, sk)) for _ in range(n)]
+    sets = []
+    for _ in range(n):
+        q, k = random_bshd(b, sq, h, d, torch.bfloat16, dev), random_bshd(b, sk, hk, d, torch.bfloat16, dev)
+        sets.append((q, k, k if kv_shared else random_bshd(b, sk, hk, d, torch.bfloat16, dev)))
     ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v) for q, k, v in sets])
     flop = stage.flops(b, sq, sk, h, d)
-    peers, peer_ms = {}, {}
-    for name, make in (("fa4", bench.peer_fa4), ("cudnn", bench.peer_cudnn)):
+    tf, peer_ms = {}, {}
+    for name in peers:
         try:
-            t = bench.time_ms([make(q, k, v) for q, k, v in sets])
-            peers[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
+            slow = name in SLOW_PEERS
+            t = bench.time_ms([PEERS[name](q, k, v) for q, k, v in sets], warmup=2 if slow else 5,
+                              iters=10 if slow else 30)
+            tf[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
             print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+    kv = "" if kv_heads is None else f" hk{hk}"
+    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID == "d1" else ""
     row = {
-        "stage": stage.ID, "case": f"b{b} h{h} sq{sq} sk{sk} hd{d} bf16", "head_dim": d, "seqlen": sk,
+        "stage": stage.ID, "case": f"b{b} h{h}{kv} sq{sq} sk{sk} hd{d}{kind} bf16", "head_dim": d, "seqlen": sk,
         "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
-        "peers": peers, "peer_ms": peer_ms,
+        "peers": tf, "peer_ms": peer_ms,
         "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()},
+        **(extra or {}),
     }
-    print(f"stage {stage.ID} {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {peers}",
+    print(f"stage {stage.ID} {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {tf}",
           flush=True)
     del sets
     torch.cuda.empty_cache()
@@ -102,7 +117,8 @@ def bench_stage_d1(dev) -> list:
     """DeepSeek-V4-Pro's prefill shape: head dim 512, K = V, MQA with 128 query heads, dense,
     seqlen 4k-16k, against torch's memory-efficient SDPA (the one SM90 peer at 512) and the
     bf16 matmul ceiling measured in the same run; K != V on the same shape (the cost of the
-    K = V ring's exposed loads, docs/stages/d1_smem_p.md); and head dim 256 K = V MQA against
+    K = V ring's exposed loads, docs/stages/d1_smem_p.md; the peer's time does not depend on
+    K = V, so it is measured on the K = V rows only); and head dim 256 K = V MQA against
     FlashAttention-4 and cuDNN (their widest head dim)."""
     from stages import d1_smem_p as stage
 
@@ -111,39 +127,13 @@ def bench_stage_d1(dev) -> list:
     del a
     print(f"matmul ceiling (bf16 8192^3): {ceiling:.0f} TFLOP/s", flush=True)
     rows = []
-    cases = [(512, s, kv) for s in (4096, 8192, 16384) for kv in ("k_eq_v", "k_ne_v")]
-    cases += [(256, 8192, "k_eq_v")]
-    for d, s, kv in cases:
-        b, h = 1, 128
-        q = random_bshd(b, s, h, d, torch.bfloat16, dev)
-        k = random_bshd(b, s, 1, d, torch.bfloat16, dev)
-        v = k if kv == "k_eq_v" else random_bshd(b, s, 1, d, torch.bfloat16, dev)
-        flop = stage.flops(b, s, s, h, d)
-        ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v)])
-        peers = {"sdpa_mem_efficient": bench.peer_sdpa_mem_efficient} if d == 512 else {
-            "fa4": bench.peer_fa4, "cudnn": bench.peer_cudnn}
-        if d == 512 and kv == "k_ne_v":
-            peers = {}  # the peer's time does not depend on K = V; measured on the K = V rows
-        tf, pms = {}, {}
-        for name, make in peers.items():
-            try:
-                slow = name == "sdpa_mem_efficient"
-                t = bench.time_ms([make(q, k, v)], warmup=2 if slow else 5, iters=10 if slow else 30)
-                tf[name], pms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-                print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
-        row = {
-            "stage": "d1", "case": f"b{b} h{h} hk1 sq{s} sk{s} hd{d} {kv} bf16", "head_dim": d, "seqlen": s,
-            "kv": kv, "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
-            "peers": tf, "peer_ms": pms, "time_ratio_vs": {n: round(ms / t, 3) for n, t in pms.items()},
-            "matmul_ceiling_tflops": round(ceiling, 1),
-            "fraction_of_ceiling": round(bench.tflops(flop, ms) / ceiling, 3),
-        }
-        print(f"stage d1 {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s, "
-              f"{row['fraction_of_ceiling']:.0%} of matmul)  peers {tf}", flush=True)
+    cases = [(512, s, shared) for s in (4096, 8192, 16384) for shared in (True, False)] + [(256, 8192, True)]
+    for d, s, shared in cases:
+        peers = ("fa4", "cudnn") if d == 256 else ("sdpa_mem_efficient",) if shared else ()
+        row = attention_row(stage, dev, 1, 128, s, s, d, kv_heads=1, kv_shared=shared, peers=peers,
+                            extra={"kv": "k_eq_v" if shared else "k_ne_v", "matmul_ceiling_tflops": round(ceiling, 1)})
+        row["fraction_of_ceiling"] = round(row["ours_tflops"] / ceiling, 3)
         rows.append(row)
-        del q, k, v
-        torch.cuda.empty_cache()
     return rows
 
 

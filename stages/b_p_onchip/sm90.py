@@ -80,6 +80,7 @@ from common.sm90_gemm import (
     make_tma_load,
     make_tma_store,
     num_k_blocks,
+    tile_tma_partition,
 )
 from common.softmax import acc_rows_view, log_sum_exp, softmax_rows
 
@@ -270,10 +271,7 @@ class AttentionOneTileSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier()
         if warp_idx == 0:
-            tOsO_tma, tOgO = cpasync.tma_partition(
-                tma_atom_o, 0, cute.make_layout(1),
-                cute.group_modes(sQ, 0, 2), cute.group_modes(gO, 0, 2),
-            )
+            tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sQ, gO)
             # One lane issues, commits and waits (bulk groups are per thread;
             # a TMA store, unlike the load, is not elected for us).
             with cute.arch.elect_one():
@@ -303,15 +301,9 @@ class AttentionOneTileSm90:
         """Warp 0: arm each barrier with its transaction bytes, then TMA every
         (128, 64) k-block box of Q and K onto qk_bar and of V onto v_bar. Rows
         past seqlen are zero-filled and still count their bytes."""
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
+        tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
+        tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
         qk_bytes = cute.size_in_bytes(self.dtype, sQ.layout) + cute.size_in_bytes(self.dtype, sK.layout)
         v_bytes = cute.size_in_bytes(self.dtype, sV.layout)
         with cute.arch.elect_one():

@@ -91,6 +91,8 @@ from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
 from common.sm90_epilogue import store_lse, store_o
 from common.sm90_gemm import (
+    REGISTERS,
+    SMEM_ALIGN,
     THREADS_PER_WARPGROUP,
     WGMMA_M,
     gemm,
@@ -98,18 +100,15 @@ from common.sm90_gemm import (
     make_tile_smem_layout_mn,
     make_tiled_mma,
     make_tma_tile_atom,
+    tile_tma_partition,
 )
-from common.sm90_producer import load_q_k_v, tile_tma_partition
+from common.sm90_producer import load_q_k_v
 from common.softmax import OnlineSoftmax, scale_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # (tile_m, tile_n) per head dim. Measured on an H200 (bf16, non-causal): hd 64 192 x 128
 # 524 TFLOP/s vs 433 at 128 x 128; hd 256 128 x 80 773 vs 771 at 128 x 64.
 DEFAULT_TILES = {64: (192, 128), 128: (128, 128), 256: (128, 80)}
-# setmaxnreg (consumer, producer) per consumer-warpgroup count: 65536 registers over
-# 128 x (1 + W) threads, in multiples of 8
-REGISTERS = {2: (240, 24), 3: (160, 32)}
-SMEM_ALIGN = 1024  # the 128B swizzle repeats every 8 rows (1 KiB); wgmma descriptors assume it
 
 
 class FlashAttentionSm90:

@@ -85,8 +85,11 @@ from common.layouts import check_attention_operands, seq_major
 from common.mask import mask_seqlen_k, num_kv_tiles
 from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from common.sm90_epilogue import store_lse
 from common.sm90_epilogue import store_o as epilogue_store_o
 from common.sm90_gemm import (
+    REGISTERS,
+    SMEM_ALIGN,
     THREADS_PER_WARPGROUP,
     WGMMA_M,
     gemm,
@@ -94,9 +97,10 @@ from common.sm90_gemm import (
     make_tile_smem_layout_mn,
     make_tiled_mma,
     make_tma_tile_atom,
+    tile_tma_partition,
 )
 from common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_views
-from common.sm90_producer import load_q, load_q_k_v, tile_tma_partition
+from common.sm90_producer import load_q, load_q_k_v
 from common.smem_p import make_p_smem_layout, store_p
 from common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
 
@@ -104,8 +108,6 @@ SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SPLIT_FROM = 320  # head dims from which two warpgroups split O's columns
 ROWS_TILES = {64: (192, 128), 128: (128, 128), 192: (128, 96), 256: (128, 80)}
 SPLIT_TILE = (64, 64)
-REGISTERS = {2: (240, 24), 3: (160, 32)}  # setmaxnreg (consumer, producer) per consumer warpgroups
-SMEM_ALIGN = 1024
 SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
 MAX_SLOTS = 4
 
@@ -218,7 +220,10 @@ class FlashAttentionD1Sm90:
             tma_atom_k, tma_k = make_tma_tile_atom(load, mK, chunk_layout, self.tile_n, CHUNK_COLS)
         else:
             tma_atom_k, tma_k = make_tma_tile_atom(load, mK, sKV_layout, self.tile_n, d)
-        tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, self.tile_n, d)
+        if cutlass.const_expr(self.kv_shared):  # mV is mK: no second descriptor
+            tma_atom_v, tma_v = tma_atom_k, tma_k
+        else:
+            tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, self.tile_n, d)
         tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
         # K = V: KvChunkRing's full (slot x chunk) and empty (slot) barriers; else the K and
         # V pipelines' full + empty barriers
@@ -520,10 +525,10 @@ class FlashAttentionD1Sm90:
         scale_rows(acc_o, inv_sum)
         self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
         if cutlass.const_expr(self.split):
-            if wg == 0:  # both halves hold the same rows' LSE
-                self.store_lse(mLSE, softmax.lse, tScS, m_block, head, batch, seqlen_q, wg)
+            if wg == 0:  # both halves hold the same rows' LSE; warpgroup 0's keys start at 0
+                store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
         else:
-            self.store_lse(mLSE, softmax.lse, tScS, m_block, head, batch, seqlen_q, wg)
+            store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
 
     # -------------------------------------------------------------------------------
     # Pieces of the consumer loop
@@ -679,17 +684,6 @@ class FlashAttentionD1Sm90:
         else:
             epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
                              is_store_warp)
-
-    @cute.jit
-    def store_lse(self, mLSE, lse, tScS, m_block, head, batch, seqlen_q, wg):
-        """One writer per row: the quad lane holding the warpgroup's first key."""
-        rows_c = acc_rows_view(tScS)
-        first_key = wg * self.wg_keys if self.split else 0
-        if rows_c[0, 0][1] == first_key:
-            for i in cutlass.range_constexpr(cute.size(rows_c, mode=[0])):
-                row = m_block * self.tile_m + rows_c[i, 0][0]
-                if row < seqlen_q:
-                    mLSE[batch, head, row] = lse[i]
 
     @cute.jit
     def scheduler_wait(self, wg: cutlass.Int32):
