@@ -139,3 +139,12 @@ def peer_sanity(device="cuda") -> dict:
         rec["anchor_tflops"] = anchor
         rec["ok"] = rec["tflops"] is not None and rec["tflops"] >= SANE_FRACTION * anchor
     return out
+
+
+def copy_gbps(device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / time), the memory roof a
+    bandwidth-bound kernel is compared with in the same run."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms([lambda: dst.copy_(src)], warmup=3, iters=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9

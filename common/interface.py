@@ -42,7 +42,10 @@ def same_memory(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out,
-                      max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None):
+                      max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None,
+                      options_for=None):
+    """``options``: the kernel's compile-time options; ``options_for(arch, q, k)``, when given,
+    adds the options that depend on the validated inputs and the architecture (e.g. D2's group)."""
     import cutlass
 
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
@@ -55,6 +58,8 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     if lse_out is not None:
         check_out("lse_out", lse_out, (b, h, sq), torch.float32, q.device)
     arch = arch_of_device(q.device)
+    if options_for is not None:
+        options = {**(options or {}), **options_for(arch, q, k)}
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if k.shape[1] == 0:  # no key at all: the empty sum, decided without a launch

@@ -37,7 +37,7 @@ def _load(pkg: str) -> Stage:
     return Stage(m.ID, m.NAME, m.ADDS, m)
 
 
-STAGES: list[Stage] = [_load("a_qk_gemm"), _load("b_p_onchip"), _load("c_online_softmax"), _load("d1_smem_p")]
+STAGES: list[Stage] = [_load(p) for p in ("a_qk_gemm", "b_p_onchip", "c_online_softmax", "d1_smem_p", "d2_pack_heads")]
 
 
 def get(stage_id: str) -> Stage:

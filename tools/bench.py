@@ -56,7 +56,15 @@ def bench_stage_a(dev) -> list:
     return rows
 
 
-PEERS = {"fa4": bench.peer_fa4, "cudnn": bench.peer_cudnn, "sdpa_mem_efficient": bench.peer_sdpa_mem_efficient}
+def peer_unpacked(q, k, v):
+    """Stage D2's kernel with pack_gqa=False: one query head per tile (stage D1's grid)."""
+    from stages import d2_pack_heads
+
+    return lambda: d2_pack_heads.forward(q, k, v, pack_gqa=False)
+
+
+PEERS = {"fa4": bench.peer_fa4, "cudnn": bench.peer_cudnn, "sdpa_mem_efficient": bench.peer_sdpa_mem_efficient,
+         "unpacked": peer_unpacked}
 SLOW_PEERS = {"sdpa_mem_efficient"}  # timed with fewer iterations
 
 
@@ -83,7 +91,7 @@ def attention_row(stage, dev, b, h, sq, sk, d, *, kv_heads=None, kv_shared=False
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
             print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
     kv = "" if kv_heads is None else f" hk{hk}"
-    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID == "d1" else ""
+    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID in ("d1", "d2") else ""
     row = {
         "stage": stage.ID, "case": f"b{b} h{h}{kv} sq{sq} sk{sk} hd{d}{kind} bf16", "head_dim": d, "seqlen": sk,
         "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
@@ -137,7 +145,34 @@ def bench_stage_d1(dev) -> list:
     return rows
 
 
-BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1}
+def bench_stage_d2(dev) -> list:
+    """Heads packed into M. Decode (DeepSeek-V4: 128 heads on one latent KV head, hd 512, K = V,
+    1-2 query tokens, 64 requests): bandwidth over the bytes that must move (K/V once, Q, O, LSE)
+    against a device copy measured in the same run, and against the same kernel unpacked where
+    that finishes in reasonable time. hd 128 / 256 MQA decode against FlashAttention-4 (which packs
+    too). GQA prefill (hd 128, 32 heads on 4 KV heads): packed against unpacked, FA4 and cuDNN."""
+    from stages import d2_pack_heads as stage
+
+    copy = bench.copy_gbps(dev)
+    print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    cases = [(512, sq, sk) for sq in (1, 2) for sk in (4096, 16384, 65536)] + [(256, 1, 16384), (128, 2, 16384)]
+    for d, sq, sk in cases:
+        b, h = 64, 128
+        peers = ("fa4",) if d <= 256 else ("unpacked",) if sk <= 4096 else ()
+        row = attention_row(stage, dev, b, h, sq, sk, d, kv_heads=1, kv_shared=d == 512, peers=peers,
+                            extra={"kind": "decode", "copy_gbps": round(copy)})
+        moved = (b * sk * d * (1 if d == 512 else 2) + 2 * b * sq * h * d) * 2 + b * h * sq * 4
+        row["gbps"] = round(moved / (row["ours_ms"] * 1e-3) / 1e9)
+        row["fraction_of_copy"] = round(row["gbps"] / copy, 3)
+        rows.append(row)
+    for s in (2048, 8192):
+        rows.append(attention_row(stage, dev, max(1, 16384 // s), 32, s, s, 128, kv_heads=4,
+                                  peers=("unpacked", "fa4", "cudnn"), extra={"kind": "gqa prefill"}))
+    return rows
+
+
+BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1, "d2": bench_stage_d2}
 
 
 def run(stages=None) -> list:

@@ -27,7 +27,7 @@ def compile_everything() -> int:
         print(f"stage {st.id} ({st.name}): {st.adds}")
         for arch in ("sm90", "sm100"):
             for hd in st.head_dims:
-                rep = compile_report(st.id, arch, "bfloat16", hd)
+                rep = compile_report(st.id, arch, "bfloat16", hd, options=getattr(st.module, "DEMO_OPTIONS", None))
                 failed += not rep.ok
                 print("  " + rep.row(), flush=True)
     print("\nCompiled only; correctness on sm90 is evidenced by the device reports in docs/results/.")

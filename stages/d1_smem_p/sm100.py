@@ -145,6 +145,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from common.layouts import check_attention_operands, reorder, seq_major
 from common.mask import mask_seqlen_k, num_kv_tiles
+from common.pack_heads import rows
 from common.sm100_correction import o_row_to_smem, rescale_o_row
 from common.sm100_smem_p import (
     KvBlockRing,
@@ -236,6 +237,7 @@ class FlashAttentionD1Sm100:
         k = seq_major(mK)  # (seqlen_k, head_dim, kv_heads, batch)
         o = seq_major(mO)
         lse = reorder(mLSE, LSE_ROW_MAJOR)  # (seqlen_q, heads, batch)
+        q, o, lse = self.row_views(q, o, lse)
 
         qk_mma = make_qk_mma(self.dtype, plan)
         pv_mma = make_pv_mma(self.dtype, plan)
@@ -289,7 +291,7 @@ class FlashAttentionD1Sm100:
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         self.shared_storage = SharedStorage
 
-        grid = (cute.ceil_div(q.shape[0], QK_TILE_M) * plan.o_split, q.shape[2], q.shape[3])
+        grid = (cute.ceil_div(rows(q), QK_TILE_M) * plan.o_split, q.shape[2], q.shape[3])
         self.kernel(
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem,
@@ -297,6 +299,12 @@ class FlashAttentionD1Sm100:
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
+
+    def row_views(self, q: cute.Tensor, o: cute.Tensor, lse: cute.Tensor):
+        """The seam where later stages change what a Q row is: (Q, O, LSE) as the kernel
+        tiles them, Q and O (rows, head_dim, heads, batch), LSE (rows, heads, batch). One
+        row per token here; stage D2 folds query heads into the rows."""
+        return q, o, lse
 
     # /////////////////////////////////////////////////////////////////////////////////////
     #  device entry: barriers, SMEM views, warp roles
@@ -620,7 +628,7 @@ class FlashAttentionD1Sm100:
         row_max_x = sStats[row, 1]
         stats.consumer_release(warp)
         q_row = m_blk * QK_TILE_M + row
-        if half == 0 and q_row < mLSE.shape[0]:  # both halves of O compute the same LSE; one writes it
+        if half == 0 and q_row < rows(mLSE):  # both halves of O compute the same LSE; one writes it
             mLSE[q_row, h, b] = (row_max_x + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
 
         sO = cute.make_tensor(cute.recast_ptr(sq_base, o_smem.inner, dtype=self.dtype), o_smem.outer)[None, None, 0]

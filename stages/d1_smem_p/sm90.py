@@ -84,6 +84,7 @@ from common.compile import SMEM_LIMIT
 from common.layouts import check_attention_operands, seq_major
 from common.mask import mask_seqlen_k, num_kv_tiles
 from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
+from common.pack_heads import rows
 from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
 from common.sm90_epilogue import store_lse
 from common.sm90_epilogue import store_o as epilogue_store_o
@@ -206,6 +207,7 @@ class FlashAttentionD1Sm90:
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
+        mQ, mO, mLSE = self.row_views(mQ, mO, mLSE)
 
         d = self.head_dim
         qk_mma, pv_mma = self.make_mmas()
@@ -251,7 +253,7 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
             raise ValueError(f"shared storage {SharedStorage.size_in_bytes()} B exceeds {SMEM_LIMIT} B")
 
-        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        grid = (cute.ceil_div(rows(mQ), self.tile_m), mQ.shape[2], mQ.shape[3])
         self.kernel(
             qk_mma, pv_mma,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
@@ -263,6 +265,12 @@ class FlashAttentionD1Sm90:
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def row_views(self, mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        """The seam where later stages change what a Q row is: (Q, O, LSE) as the kernel
+        tiles them, Q and O (rows, head_dim, heads, batch), LSE (batch, heads, rows). One
+        row per token here; stage D2 folds query heads into the rows."""
+        return mQ, mO, mLSE
 
     @cute.kernel
     def kernel(
@@ -349,7 +357,7 @@ class FlashAttentionD1Sm90:
             self.consume(
                 qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
                 sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, mLSE, scale_log2,
-                m_block, head, batch, mQ.shape[0], mK.shape[0],
+                m_block, head, batch, rows(mQ), mK.shape[0],
             )
 
     @cute.jit
