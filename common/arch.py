@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 ARCHS = ("sm90", "sm100")
@@ -9,6 +10,27 @@ ARCHS = ("sm90", "sm100")
 GPU_ARCH = {"sm90": "sm_90a", "sm100": "sm_100a"}
 # compute capability major -> our architecture
 _MAJOR = {9: "sm90", 10: "sm100"}
+
+
+@contextlib.contextmanager
+def target_arch(arch: str):
+    """CuTeDSL targets ``arch`` ('sm90' / 'sm100') while the block runs, whatever GPU is present.
+
+    A compile given ``--gpu-arch`` names its target; anything built outside one (an atom at
+    Python level, a kernel's constructor) is checked against CUTE_DSL_ARCH or, unset, the GPU,
+    so an sm100 atom fails on a Hopper machine. Restores the previous setting on exit.
+    """
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    envar = BaseDSL._get_dsl().envar
+    # _arch, not .arch: reading .arch probes the driver, and None (not yet detected) must stay
+    # None (nvidia-cutlass-dsl 4.8.1's EnvironmentVarManager)
+    saved = envar._arch
+    envar.arch = GPU_ARCH[arch]
+    try:
+        yield
+    finally:
+        envar._arch = saved
 
 
 def arch_of_capability(major: int, minor: int) -> str | None:

@@ -67,11 +67,11 @@ def peer_matmul_qk(q, k):
     return lambda: torch.matmul(qt, kt.transpose(-1, -2))
 
 
-def peer_fa4(q, k, v, softmax_scale=None, causal=False):
+def peer_fa4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)):
     from flash_attn.cute import flash_attn_func
 
     def run():
-        r = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        r = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
         return r[0] if isinstance(r, tuple) else r
 
     return run

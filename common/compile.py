@@ -115,6 +115,7 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
 
     import stages
     from common import jit
+    from common.arch import target_arch
 
     dtype = getattr(torch, dtype_name)
     mod = stages.get(stage_id).module
@@ -122,16 +123,19 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
     rep = CompileReport(stage_id, arch, dtype_name, head_dim, options=options)
     args = mod.example_args(dtype, head_dim, **options)
 
-    kernel = mod.make_kernel(arch, dtype, head_dim, **options)
-    t0 = time.perf_counter()
-    jit.compile_kernel(kernel, args, arch)
-    rep.seconds = round(time.perf_counter() - t0, 3)
-    rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
-    tmem = getattr(kernel, "tmem_columns", None)
-    rep.tmem_columns = None if tmem is None else int(tmem)
+    # the target is this call's arch, not the GPU's or CUTE_DSL_ARCH's, also for what the kernel
+    # builds outside cute.compile (its constructor, shared_storage); nothing here is launched
+    with target_arch(arch):
+        kernel = mod.make_kernel(arch, dtype, head_dim, **options)
+        t0 = time.perf_counter()
+        jit.compile_kernel(kernel, args, arch)
+        rep.seconds = round(time.perf_counter() - t0, 3)
+        rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
+        tmem = getattr(kernel, "tmem_columns", None)
+        rep.tmem_columns = None if tmem is None else int(tmem)
 
-    with _CaptureStderr() as cap:
-        jit.compile_kernel(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, "remarks{ptx}")
+        with _CaptureStderr() as cap:
+            jit.compile_kernel(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, "remarks{ptx}")
     res = parse_ptxas(cap.text)
     rep.warnings = res.pop("warnings")
     for k, v in res.items():

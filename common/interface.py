@@ -43,9 +43,11 @@ def same_memory(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out,
                       max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None,
-                      options_for=None):
+                      options_for=None, extra_args=None):
     """``options``: the kernel's compile-time options; ``options_for(arch, q, k)``, when given,
-    adds the options that depend on the validated inputs and the architecture (e.g. D2's group)."""
+    adds the options that depend on the validated inputs and the architecture (e.g. D2's group);
+    ``extra_args()``, when given, returns the kernel's arguments after the stream (D3's
+    seqused_k, D4's window bounds), called after validation."""
     import cutlass
 
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
@@ -68,6 +70,8 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
         return o, lse
     args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(o), jit.as_cute(lse),
             cutlass.Float32(scale * LOG2E), jit.current_stream()]
+    if extra_args is not None:
+        args += extra_args()
     jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args, options)(*args)
     return o, lse
 

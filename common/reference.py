@@ -30,14 +30,41 @@ def qk_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = No
     return torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
 
 
-def attention(q, k, v, softmax_scale: float | None = None):
+def visibility(seqlen_q: int, seqlen_k: int, seqused_k=None, window_size=(None, None), device=None):
+    """[batch or 1, 1, seqlen_q, seqlen_k] bool: key j visible to query i (stages D3, D4), the
+    formula of common/kv_span.py written with tensors: j < seqused_k[b] (default seqlen_k), and
+    with i' = i + n_k - seqlen_q (n_k the request's key count, bottom-right alignment),
+    i' - left <= j <= i' + right for the bounds that are not None."""
+    left, right = window_size
+    n_k = (torch.full((1,), seqlen_k, device=device) if seqused_k is None else seqused_k.to(device).long())
+    i = torch.arange(seqlen_q, device=device)[None, :, None]
+    j = torch.arange(seqlen_k, device=device)[None, None, :]
+    n = n_k[:, None, None]
+    ip = i + n - seqlen_q
+    vis = j < n
+    if left is not None:
+        vis = vis & (j >= ip - left)
+    if right is not None:
+        vis = vis & (j <= ip + right)
+    return vis[:, None]
+
+
+def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, causal: bool = False,
+              window_size=(None, None)):
     """Softmax attention with its log-sum-exp, float64.
 
     O[b, i, h, :] = sum_j softmax_j(S[b, h, i, :]) v[b, j, hk(h), :] and
-    LSE[b, h, i] = log sum_j exp(S[b, h, i, j]) (natural log). A row with no
-    key (seqlen_k = 0) gives O = 0 and LSE = -inf.
+    LSE[b, h, i] = log sum_j exp(S[b, h, i, j]) (natural log), over the visible keys
+    (``visibility``; causal is window right = 0). A row with no visible key gives O = 0 and
+    LSE = -inf.
     """
     s = qk_scores(q, k, softmax_scale)
+    left, right = window_size
+    if causal:
+        right = 0
+    if seqused_k is not None or left is not None or right is not None:
+        vis = visibility(q.shape[1], k.shape[1], seqused_k, (left, right), device=q.device)
+        s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("bhij,bjhd->bihd", p, _expand_kv(v, q.shape[2]).to(torch.float64))

@@ -15,26 +15,37 @@ running sum and O are multiplied by exp2(m_old - m_new) (O by the correction war
 Results stay exact: P, l and O all use the max actually applied, and the final O / l cancels it.
 While a stale max is kept, x - m <= RESCALE_THRESHOLD, so P <= 2^8 = 256: representable in bf16
 and fp16 (max 65504), and the fp32 sums cannot overflow for any practical sequence length.
+
+Masks (stages D3, D4): the visibility formula of ``common.kv_span`` for one packed row
+(``visible_keys``, once per CTA) and one KV tile (``visible_columns``: plain integer arithmetic on
+Python ints or DSL integers), and the two in-place masks of a row, each applied only where its
+bound cuts the tile (``mask_from``, ``mask_below``); tests/test_d34_sm100_host.py runs the kernel's
+mask code on the host CPU for every thread and checks it against ``common.kv_span.visible``.
+A row may then see no key in a tile, or in any tile (``may_be_empty``): its max stays -inf, every
+exp2 subtracts 0 instead (``max_to_subtract``), its rescale factor is 1, and the correction warps
+write O = 0 and LSE = -inf.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 #: log2 units a row's max may grow before the warp rescales (FlashAttention-4's value)
 RESCALE_THRESHOLD = 8.0
 
 
 @cute.jit
-def lazy_max_update(m_applied: Float32, s_max: Float32, scale_log2: Float32, threshold: cutlass.Constexpr[float]):
+def lazy_max_update(m_applied: Float32, s_max: Float32, scale_log2: Float32, threshold: cutlass.Constexpr[float],
+                    may_be_empty: cutlass.Constexpr[bool] = False):
     """One KV tile's max update for this thread's row, decided per warp.
 
     ``m_applied``: the max (x domain) P and O currently use (-inf before the first tile);
     ``s_max``: the max raw score of this tile's row. Returns (m, scale): the max to use from now
     on and exp2(m_applied - m), the factor the row's sum and O must be multiplied by (exactly 1.0
-    when the warp keeps its max; 0 on the first tile, where there is nothing to rescale)."""
+    when the warp keeps its max; 0 on the first tile, where there is nothing to rescale).
+    ``may_be_empty``: the row may have seen no key yet (m stays -inf); its factor is then 1."""
     m_tile = s_max * scale_log2
     m_cand = cute.arch.fmax(m_applied, m_tile)
     # warp-uniform: one row's large growth moves the whole warp, so the correction warp serving
@@ -42,7 +53,21 @@ def lazy_max_update(m_applied: Float32, s_max: Float32, scale_log2: Float32, thr
     grow = cute.arch.vote_any_sync(m_cand - m_applied > threshold)
     m_new = m_cand if grow else m_applied
     scale = cute.math.exp2(m_applied - m_new, fastmath=True) if grow else Float32(1.0)
+    if const_expr(may_be_empty):
+        # another row grew the warp's max while this one still has none: exp2(-inf - -inf) is NaN;
+        # its sum and O are 0, so any finite factor keeps them so
+        scale = Float32(1.0) if m_new == -Float32.inf else scale
     return m_new, scale
+
+
+@cute.jit
+def max_to_subtract(m: Float32, may_be_empty: cutlass.Constexpr[bool]) -> Float32:
+    """The max P = exp2(x - m) subtracts: m, or 0 for a row that saw no key (m = -inf; its
+    scores are all -inf, so P = exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN)."""
+    m_sub = m
+    if const_expr(may_be_empty):
+        m_sub = Float32(0.0) if m == -Float32.inf else m
+    return m_sub
 
 
 @cute.jit
@@ -64,3 +89,47 @@ def exp2_into_p(s_row: cute.Tensor, p_row: cute.Tensor, scale_log2: Float32, m: 
 def row_max(s_row: cute.Tensor) -> Float32:
     """The max of this thread's raw scores."""
     return s_row.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Masks: which keys of a KV tile one row sees (stages D3, D4; stage D1's seqlen_k tail)
+
+
+def visible_keys(span, packed_row):
+    """(lo, hi): the keys lo <= key < hi that packed row ``packed_row`` of ``span``'s Q tile sees
+    (lo None without a left bound): ``kv_span.visible`` for one row, token = packed_row // group,
+    bottom-right aligned (token' = token + seqlen_k - seqlen_q). Per row, not per tile: a softmax
+    thread computes it once per CTA."""
+    hi = span.seqlen_k  # the seqlen_k tail (every stage)
+    lo = None
+    if span.has_left or span.has_right:
+        token_pos = packed_row // span.group + (span.seqlen_k - span.seqlen_q)
+        if span.has_right:
+            hi = cutlass.min(hi, token_pos + span.right + 1)
+        if span.has_left:
+            lo = token_pos - span.left
+    return lo, hi
+
+
+def visible_columns(keys, first_key):
+    """``visible_keys`` in a KV tile whose column 0 is key ``first_key``: (lo, hi) with columns
+    lo <= c < hi visible (keys >= 0 always: tiles start at the span's origin >= 0)."""
+    lo, hi = keys
+    return (None if lo is None else lo - first_key), hi - first_key
+
+
+@cute.jit
+def mask_from(s_row: cute.Tensor, tTR_cS: cute.Tensor, hi):
+    """Scores of this thread's row at columns >= hi -> -inf, in place; value i holds column
+    tTR_cS[i][1] (the S load's partition of the identity tile)."""
+    for i in cutlass.range_constexpr(cute.size(s_row)):
+        s_row[i] = -Float32.inf if tTR_cS[i][1] >= hi else s_row[i]
+
+
+@cute.jit
+def mask_below(s_row: cute.Tensor, tTR_cS: cute.Tensor, lo):
+    """Scores of this thread's row at columns < lo -> -inf, in place (as ``mask_from``). A pass of
+    its own, under its own branch: one pass testing both bounds per value took ptxas to 166
+    registers at head dim 512 (128 this way) and spilled at head dim 256."""
+    for i in cutlass.range_constexpr(cute.size(s_row)):
+        s_row[i] = -Float32.inf if tTR_cS[i][1] < lo else s_row[i]

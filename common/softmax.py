@@ -139,9 +139,12 @@ class OnlineSoftmax:
     seqlen_k - 1), so m is finite from the first tile on and r never is NaN.
     """
 
-    def __init__(self, acc_layout: cute.Layout, scale_log2: cutlass.Float32):
+    def __init__(self, acc_layout: cute.Layout, scale_log2: cutlass.Float32, may_be_empty: bool = False):
         rows = cute.size(acc_rows_layout(acc_layout), mode=[0])
         self.scale_log2 = scale_log2
+        # masks that can hide every key of a row (windows, per-request lengths: stages D3, D4)
+        # break the invariant above: a row may reach any tile, even the end, with m = -inf
+        self.may_be_empty = may_be_empty
         self.row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
 
@@ -159,6 +162,7 @@ class OnlineSoftmax:
             at += n
         new.scale_log2, new.row_max, new.row_sum = parts
         new._counts = self._counts
+        new.may_be_empty = self.may_be_empty
         return new
 
     @cute.jit
@@ -189,13 +193,19 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         for i in cutlass.range_constexpr(n_rows):
             m_new = tile_max[i] * self.scale_log2
+            m_old = self.row_max[i]
             if cutlass.const_expr(not is_first):
-                m_new = _fmax(m_new, self.row_max[i])
-                row_scale[i] = cute.math.exp2(self.row_max[i] - m_new, fastmath=True)
+                m_new = _fmax(m_new, m_old)
+            self.row_max[i] = m_new
+            m_sub = m_new
+            if cutlass.const_expr(self.may_be_empty):
+                # no visible key yet: subtract 0, not -inf (-inf - -inf is NaN); P = exp2(-inf) = 0
+                m_sub = cutlass.Float32(0.0) if m_new == -cutlass.Float32.inf else m_new
+            if cutlass.const_expr(not is_first):
+                row_scale[i] = cute.math.exp2(m_old - m_sub, fastmath=True)
             else:
                 row_scale[i] = cutlass.Float32(1.0)
-            self.row_max[i] = m_new
-            p = [cute.math.exp2(rows[i, j] * self.scale_log2 - m_new, fastmath=True) for j in range(n_cols)]
+            p = [cute.math.exp2(rows[i, j] * self.scale_log2 - m_sub, fastmath=True) for j in range(n_cols)]
             for j in cutlass.range_constexpr(n_cols):
                 rows[i, j] = p[j]
             tile_sum = _sum_tree(p)
@@ -225,6 +235,8 @@ class OnlineSoftmax:
         self.lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         for i in cutlass.range_constexpr(n_rows):
             inv_sum[i] = cutlass.Float32(1.0) / total[i]
+            if cutlass.const_expr(self.may_be_empty):  # a row that saw no key: O = 0 (not 0 * inf), LSE = -inf
+                inv_sum[i] = cutlass.Float32(0.0) if total[i] == cutlass.Float32(0.0) else inv_sum[i]
             self.lse[i] = log_sum_exp(self.row_max[i], total[i])
         return inv_sum
 

@@ -117,28 +117,44 @@ def attention_inputs(b, sq, sk, h, hk, d, dtype, *, kv_shared=False, magnitude=1
     return q, k, v, g
 
 
+#: forward options that change which keys a row sees; the reference takes them too
+MASK_OPTIONS = ("seqused_k", "causal", "window_size")
+
+
 def check_attention(forward, q, k, v, record, g, **case):
     """Run ``forward(q, k, v, out=, lse_out=)`` into NaN-poisoned outputs and assert O and LSE
     against the float64 reference, globally and row by row. ``case`` is recorded (and named in
-    the failure message) with the errors; keyword options for ``forward`` go in ``case['options']``."""
+    the failure message) with the errors; keyword options for ``forward`` go in ``case['options']``
+    (the masking ones, MASK_OPTIONS, go to the reference too). Rows with no visible key must come
+    back exactly O = 0 and LSE = -inf."""
     from common.interface import same_memory
     from common.reference import attention
 
     b, sq, h, _ = q.shape
+    options = case.get("options", {})
     o = poison_(torch.empty_like(q))
     lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
-    forward(q, k, v, out=o, lse_out=lse, **case.get("options", {}))
+    forward(q, k, v, out=o, lse_out=lse, **options)
     torch.cuda.synchronize()
-    o_ref, lse_ref = attention(q, k, v)
+    o_ref, lse_ref = attention(q, k, v, **{n: options[n] for n in MASK_OPTIONS if n in options})
     e = errors(o, o_ref)
-    lse_err = (lse.double() - lse_ref).abs().max().item() if torch.isfinite(lse).all() else math.inf
+    empty = torch.isneginf(lse_ref)
+    finite = ~empty
+    lse_ok = bool(torch.isfinite(lse[finite]).all()) and bool(torch.isneginf(lse[empty]).all())
+    lse_err = (lse.double()[finite] - lse_ref[finite]).abs().max().item() if lse_ok and finite.any() else 0.0
+    if not lse_ok:
+        lse_err = math.inf
+    empty_rows_zero = bool((o.transpose(1, 2)[empty] == 0).all())
+    recorded = {n: (x.tolist() if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
     case = dict(dtype=str(q.dtype), head_dim=q.shape[3], shape=list(q.shape), seqlen_k=k.shape[1],
-                kv_shared=same_memory(k, v), lse_abs=lse_err, **case)
+                kv_shared=same_memory(k, v), lse_abs=lse_err, empty_rows=int(empty.sum()),
+                **{**case, "options": recorded})
     record(e, **case)
     tol = O_REL[q.dtype]
     msg = f"{case}: {e} lse_abs={lse_err:.2e} (seed {g.initial_seed()})"
     assert e.within(tol, 3 * tol), msg
     assert lse_err <= LSE_ABS, msg
+    assert empty_rows_zero, f"rows with no visible key must give O = 0: {msg}"
 
 
 def run_compute_sanitizer(tool: str, script: str, marker: str = "sanitized case ran"):

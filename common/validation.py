@@ -100,3 +100,48 @@ def check_qkv(q, k, v, head_dims, max_seqlen_k: int | None = None, too_long: str
         raise ValueError(f"v must have k's shape {tuple(k.shape)}; got {tuple(v.shape)}")
     if max_seqlen_k is not None and k.shape[1] > max_seqlen_k:
         raise ValueError(f"seqlen_k must be at most {max_seqlen_k} for this stage; got {k.shape[1]}{too_long}")
+
+
+def check_seqused_k(seqused_k, batch: int, seqlen_k: int, device) -> None:
+    """[batch] int32 on the inputs' device, every value in [0, seqlen_k] (reads the values: one
+    device sync, before any launch; skipped while a CUDA graph is captured, where the kernel's
+    clamp to [0, seqlen_k] is what holds)."""
+    if not isinstance(seqused_k, torch.Tensor):
+        raise ValueError(f"seqused_k must be a torch.Tensor or None; got {type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32:
+        raise ValueError(f"seqused_k.dtype must be int32; got {seqused_k.dtype}")
+    if tuple(seqused_k.shape) != (batch,):
+        raise ValueError(f"seqused_k must have shape [batch] = ({batch},); got {tuple(seqused_k.shape)}")
+    if seqused_k.device != device:
+        raise ValueError(f"seqused_k must be on {device} like q; got {seqused_k.device}")
+    if seqused_k.stride(0) != 1 and batch > 1:
+        raise ValueError(f"seqused_k must be contiguous; got stride {seqused_k.stride()}")
+    if seqused_k.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # reading the values would synchronize inside a CUDA graph capture; the kernel clamps them
+    lo, hi = int(seqused_k.min()), int(seqused_k.max())
+    if lo < 0 or hi > seqlen_k:
+        raise ValueError(f"seqused_k values must lie in [0, seqlen_k = {seqlen_k}]; got min {lo}, max {hi}")
+
+
+def check_window(causal, window_size) -> tuple:
+    """(left, right) with None for an unbounded side; causal means right = 0. Bounds are
+    non-negative ints: no sentinel (such as -1) stands for "no window"."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if window_size is None:
+        window_size = (None, None)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= 0 or None; got {window_size!r}")
+    left, right = window_size
+    for name, w in (("left", left), ("right", right)):
+        if w is None:
+            continue
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"window_size {name} must be an int >= 0 or None (unbounded); got {w!r}")
+        if w > 2**31 - 1:
+            raise ValueError(f"window_size {name} must be below 2**31; got {w}")
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(f"causal=True means window right = 0; got window_size {tuple(window_size)}")
+        right = 0
+    return left, right

@@ -37,7 +37,11 @@ def _load(pkg: str) -> Stage:
     return Stage(m.ID, m.NAME, m.ADDS, m)
 
 
-STAGES: list[Stage] = [_load(p) for p in ("a_qk_gemm", "b_p_onchip", "c_online_softmax", "d1_smem_p", "d2_pack_heads")]
+STAGES: list[Stage] = [
+    _load(p)
+    for p in ("a_qk_gemm", "b_p_onchip", "c_online_softmax", "d1_smem_p", "d2_pack_heads", "d3_lengths",
+              "d4_causal_window")
+]
 
 
 def get(stage_id: str) -> Stage:

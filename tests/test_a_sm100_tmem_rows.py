@@ -72,7 +72,8 @@ def _coords(part) -> list[tuple[int, int]]:
 def gather_holdings(ab_dtype, op=None, slice_index=lambda t: t):
     """What each epilogue thread of the kernel holds, as the kernel builds it.
 
-    ``op``: TMEM load atom override (None = the kernel's 32x32b); ``slice_index(t)``: the
+    ``op``: a function building the TMEM load atom instead (None = the kernel's 32x32b), called
+    in the trace so that the atom targets sm100 whatever GPU is present; ``slice_index(t)``: the
     index the thread of epilogue position t (warp t // 32) passes to ``get_slice`` (the
     kernel passes t). Returns {"threads": [{"dst": [(m, n, tmem_addr)], "src": key}],
     "src": {key: sorted [(m, n)] its warp's tcgen05.ld reads}}.
@@ -81,7 +82,7 @@ def gather_holdings(ab_dtype, op=None, slice_index=lambda t: t):
     def body():
         tiled_mma = make_qk_tiled_mma(ab_dtype)
         acc = make_acc_fragment(tiled_mma)
-        tiled_copy, _ = make_acc_tmem_load(acc, EPI_COLS, op=op)
+        tiled_copy, _ = make_acc_tmem_load(acc, EPI_COLS, op=op() if op else None)
         # the epilogue partitions S and its identity with the same chunking as the accumulator
         coords = epi_view(cute.make_identity_tensor((QK_TILE_M, QK_TILE_N)), EPI_COLS)
         acc_mn = acc_tile(acc).layout  # (m, n) -> TMEM address of S(m, n)
@@ -203,8 +204,9 @@ def test_tmem_alloc_columns():
 @pytest.mark.slow
 def test_checker_rejects_16x256b_atom():
     # 16 lanes x 256 bits: a thread gets values of two rows, and a row is split over 4 threads
-    wrong = tcgen05.Ld16x256bOp(tcgen05.Repetition(EPI_COLS // 8))
-    fails = ownership_failures(gather_holdings(cutlass.BFloat16, op=wrong))
+    fails = ownership_failures(
+        gather_holdings(cutlass.BFloat16, op=lambda: tcgen05.Ld16x256bOp(tcgen05.Repetition(EPI_COLS // 8)))
+    )
     assert fails, "the checker accepted the 16x256b TMEM load"
     assert any("not only row" in f for f in fails)
 

@@ -397,14 +397,15 @@ def test_cells_match_crd2idx():
 def gather_rows(dtype, head_dim, s_op=None, o_slice=lambda t: t):
     """Per softmax thread t, as the kernel builds it: the (m, n) of its S registers and of its
     O registers (epilogue), their TMEM cells, and the row of its LSE (the row of S value 0).
-    ``s_op`` overrides the S load atom and ``o_slice(t)`` the index the epilogue slices the O
-    load with (negative controls; the kernel uses the 32x32b atom and t)."""
+    ``s_op``: a function building the S load atom instead, called in the trace so that the atom
+    targets sm100 whatever GPU is present, and ``o_slice(t)``: the index the epilogue slices the
+    O load with (negative controls; the kernel uses the 32x32b atom and t)."""
 
     def body():
         base = placeholder_tmem_base()
         coords = _Coords()
         s, o = s_region(dtype), o_region(dtype, head_dim)
-        tiled_s, _ = make_acc_tmem_load(s.at(base), EPI_COLS, op=s_op)
+        tiled_s, _ = make_acc_tmem_load(s.at(base), EPI_COLS, op=s_op() if s_op else None)
         tiled_o, _ = make_acc_tmem_load(o.at(base), EPI_COLS)
         s_ids = epi_view(_identity((QK_TILE_M, QK_TILE_N)), EPI_COLS)
         o_ids = epi_view(_identity((QK_TILE_M, head_dim)), EPI_COLS)
@@ -483,8 +484,9 @@ def test_s_row_and_o_row_on_the_same_thread(head_dim):
 def test_checker_rejects_s_rows_spread_over_threads():
     # 16 lanes x 256 bits: a thread holds values of two rows of S, a row lies on four threads:
     # no thread has a row's max and sum (the origin's QK thread N / row N/4 family)
-    wrong = tcgen05.Ld16x256bOp(tcgen05.Repetition(EPI_COLS // 8))
-    fails = row_ownership_failures(gather_rows(BF16, 128, s_op=wrong))
+    fails = row_ownership_failures(
+        gather_rows(BF16, 128, s_op=lambda: tcgen05.Ld16x256bOp(tcgen05.Repetition(EPI_COLS // 8)))
+    )
     assert fails, "the checker accepted an S load that spreads rows over threads"
     assert any("no row statistics" in f for f in fails)
 

@@ -108,7 +108,8 @@ def gather_chain(head_dim, dtype=BF16, o_slice=lambda t: t, o_op=None, slot_shif
     values' (m, n), their cells by the region and by the 32x32b rule, the slot it writes: its
     ``row`` + ``slot_shift``) and the correction side (its O load / store values' (m, n) and
     cells, the slot it reads: its ``row``). ``o_slice(t)``: the index the correction slices its
-    O copies with; ``o_op``: the O load atom (negative controls; the kernel: t and 32x32b)."""
+    O copies with; ``o_op``: a function building the O load atom, called in the trace so that it
+    targets sm100 whatever GPU is present (negative controls; the kernel: t and 32x32b)."""
 
     def body():
         tmem_map = _packed(head_dim, dtype)
@@ -121,7 +122,7 @@ def gather_chain(head_dim, dtype=BF16, o_slice=lambda t: t, o_op=None, slot_shif
             s_reg, o_reg = _kernel_s_region(tmem_map, i), tmem_map.o(i)
             s_cell, o_cell = _Cells(s_reg, ((0, 0), 0, 0)), _Cells(o_reg, ((0, 0), 0, 0))
             s_load, _ = make_acc_tmem_load(s_reg.at(base), EPI_COLS)
-            o_load, _ = make_acc_tmem_load(o_reg.at(base), EPI_COLS, op=o_op)
+            o_load, _ = make_acc_tmem_load(o_reg.at(base), EPI_COLS, op=o_op() if o_op else None)
             o_store, _ = make_acc_tmem_store(o_reg.at(base), EPI_COLS)
             softmax, correction = [], []
             for t in range(EPI_THREADS):
@@ -258,7 +259,7 @@ def test_checker_rejects_factor_written_to_the_next_rows_slot():
 
 def test_checker_rejects_o_rows_spread_over_threads():
     # 16 lanes x 256 bits: a thread holds values of two rows of O, no single factor applies
-    fails = chain_failures(gather_chain(128, o_op=tcgen05.Ld16x256bOp(tcgen05.Repetition(EPI_COLS // 8))))
+    fails = chain_failures(gather_chain(128, o_op=lambda: tcgen05.Ld16x256bOp(tcgen05.Repetition(EPI_COLS // 8))))
     assert fails and any("holds O of rows" in f for f in fails)
 
 

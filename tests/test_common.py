@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,3 +66,39 @@ def test_merge_never_mixes_code():
     same = dict(new, sources={"a": "1"})
     merged = report.merge(old, same)
     assert set(merged["tests"]) == {"a", "b"} and merged["bench"] == [{"stage": "a"}]
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run_with_gpu_arch(env_arch: str, cmd: list) -> subprocess.CompletedProcess:
+    # a GPU machine's architecture, as CuTeDSL sees it: CUTE_DSL_ARCH wins over detection
+    env = dict(os.environ, CUTE_DSL_ARCH=env_arch)
+    return subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+# issue 12: host proofs must target the architecture they are about, not the GPU present. An sm100
+# negative control built its atom outside the trace, and failed on a Hopper machine.
+@pytest.mark.parametrize("env_arch,node", [
+    ("sm_90a", "tests/test_b_sm100_tmem_p.py::test_checker_rejects_s_rows_spread_over_threads"),
+    ("sm_100a", "tests/test_c_sm90_host.py::test_v_ring_checker_rejects_wrong_views"),
+])
+def test_host_proofs_ignore_the_gpu_arch(env_arch, node):
+    p = _run_with_gpu_arch(env_arch, ["-m", "pytest", "-q", "-p", "no:cacheprovider", node])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
+def test_target_arch_overrides_the_gpu_arch_and_restores_it():
+    script = """
+from cutlass.base_dsl.common import DSLUserCodeError
+from cutlass.cute.nvgpu import tcgen05
+from common.arch import target_arch
+with target_arch("sm100"):
+    tcgen05.Ld16x256bOp(tcgen05.Repetition(4))
+try:
+    tcgen05.Ld16x256bOp(tcgen05.Repetition(4))
+except DSLUserCodeError:
+    print("restored")
+"""
+    p = _run_with_gpu_arch("sm_90a", ["-c", script])
+    assert p.returncode == 0 and "restored" in p.stdout, (p.stdout + p.stderr)[-3000:]

@@ -69,9 +69,16 @@ SLOW_PEERS = {"sdpa_mem_efficient"}  # timed with fewer iterations
 
 
 def attention_row(stage, dev, b, h, sq, sk, d, *, kv_heads=None, kv_shared=False, peers=("fa4", "cudnn"),
-                  extra=None) -> dict:
+                  extra=None, causal=False, window_size=None) -> dict:
     """One attention case: ours against ``peers`` on the same rotated tensors. ``kv_heads``
-    (default h) KV heads; ``kv_shared``: one tensor as K and V (the stage's K = V path)."""
+    (default h) KV heads; ``kv_shared``: one tensor as K and V (the stage's K = V path);
+    ``causal`` / ``window_size`` (stage D4 on): passed to ours and to the peers that take them
+    (cuDNN takes causal only), and the FLOPs count only the visible pairs."""
+    masks = {}
+    if causal:
+        masks["causal"] = True
+    if window_size is not None:
+        masks["window_size"] = window_size
     hk = h if kv_heads is None else kv_heads
     per_set = 2 * (2 * b * sq * h * d + (1 if kv_shared else 2) * b * sk * hk * d)
     n = bench.rotation_count(per_set, maximum=8)
@@ -79,19 +86,21 @@ def attention_row(stage, dev, b, h, sq, sk, d, *, kv_heads=None, kv_shared=False
     for _ in range(n):
         q, k = random_bshd(b, sq, h, d, torch.bfloat16, dev), random_bshd(b, sk, hk, d, torch.bfloat16, dev)
         sets.append((q, k, k if kv_shared else random_bshd(b, sk, hk, d, torch.bfloat16, dev)))
-    ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v) for q, k, v in sets])
-    flop = stage.flops(b, sq, sk, h, d)
+    ms = bench.time_ms([lambda q=q, k=k, v=v: stage.forward(q, k, v, **masks) for q, k, v in sets])
+    flop = stage.flops(b, sq, sk, h, d, **masks)
     tf, peer_ms = {}, {}
     for name in peers:
         try:
             slow = name in SLOW_PEERS
-            t = bench.time_ms([PEERS[name](q, k, v) for q, k, v in sets], warmup=2 if slow else 5,
+            kw = masks if name == "fa4" else {"causal": True} if causal and name == "cudnn" else {}
+            t = bench.time_ms([PEERS[name](q, k, v, **kw) for q, k, v in sets], warmup=2 if slow else 5,
                               iters=10 if slow else 30)
             tf[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
             print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
     kv = "" if kv_heads is None else f" hk{hk}"
-    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID in ("d1", "d2") else ""
+    kv += (" causal" if causal else "") + (f" window{tuple(window_size)}" if window_size is not None else "")
+    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID in ("d1", "d2", "d3", "d4") else ""
     row = {
         "stage": stage.ID, "case": f"b{b} h{h}{kv} sq{sq} sk{sk} hd{d}{kind} bf16", "head_dim": d, "seqlen": sk,
         "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
@@ -172,7 +181,69 @@ def bench_stage_d2(dev) -> list:
     return rows
 
 
-BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1, "d2": bench_stage_d2}
+def bench_stage_d3(dev) -> list:
+    """DeepSeek-V4 decode with per-request lengths: 64 requests x 2 tokens x 128 heads on one latent
+    KV head (hd 512, K = V), each request using a random 50-100 % of a 16k / 64k KV buffer: bandwidth
+    over the K/V rows actually read (seqused_k), Q, O and LSE, against a same-run device copy."""
+    from stages import d3_lengths as stage
+
+    copy = bench.copy_gbps(dev)
+    rows = []
+    for sk in (16384, 65536):
+        b, h, sq, d = 64, 128, 2, 512
+        g = torch.Generator().manual_seed(sk)
+        n = torch.randint(sk // 2, sk + 1, (b,), generator=g, dtype=torch.int32).to(dev)
+        q = random_bshd(b, sq, h, d, torch.bfloat16, dev)
+        kv = random_bshd(b, sk, 1, d, torch.bfloat16, dev)
+        ms = bench.time_ms([lambda q=q, kv=kv, n=n: stage.forward(q, kv, kv, seqused_k=n)])
+        used = int(n.sum())
+        moved = (used * d + 2 * b * sq * h * d) * 2 + b * h * sq * 4
+        flop = 4 * sq * h * used * d
+        row = {"stage": "d3", "case": f"b{b} h{h} hk1 sq{sq} seqused_k {sk // 2}-{sk} hd{d} k_eq_v bf16",
+               "head_dim": d, "seqlen": sk, "kind": "decode", "ours_ms": round(ms, 4),
+               "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {},
+               "gbps": round(moved / (ms * 1e-3) / 1e9), "copy_gbps": round(copy)}
+        row["fraction_of_copy"] = round(row["gbps"] / copy, 3)
+        print(f"stage d3 {row['case']}: {ms:.3f} ms {row['ours_tflops']} TFLOP/s {row['gbps']} GB/s "
+              f"({row['fraction_of_copy']:.0%} of copy)", flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_stage_d4(dev) -> list:
+    """Causal prefill (MHA hd 64/128/256, GQA hd 128) against FlashAttention-4 and cuDNN, and
+    DeepSeek-V4's window branch (128 heads on one KV head, causal window (127, 0), K = V) at hd 256
+    (FA4 runs it) and hd 512 (it does not): TFLOP/s over the visible keys and the bandwidth of
+    Q, K/V (once), O and LSE against a same-run device copy."""
+    from stages import d4_causal_window as stage
+
+    copy = bench.copy_gbps(dev)
+    print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    for d in (64, 128, 256):
+        for s in (1024, 4096, 16384):
+            rows.append(attention_row(stage, dev, max(1, 32768 // s), 16, s, s, d, causal=True,
+                                      extra={"kind": "causal prefill"}))
+    rows.append(attention_row(stage, dev, 2, 32, 8192, 8192, 128, kv_heads=4, causal=True,
+                              extra={"kind": "causal prefill gqa"}))
+    for d in (256, 512):
+        for s in (8192, 32768):
+            row = attention_row(stage, dev, 1, 128, s, s, d, kv_heads=1, kv_shared=True, causal=True,
+                                window_size=(127, 0), peers=("fa4",) if d <= 256 else (),
+                                extra={"kind": "window branch", "copy_gbps": round(copy)})
+            moved = (2 * s * 128 * d + s * d) * 2 + 128 * s * 4
+            row["gbps"] = round(moved / (row["ours_ms"] * 1e-3) / 1e9)
+            row["fraction_of_copy"] = round(row["gbps"] / copy, 3)
+            if "fa4" in row["peer_ms"]:
+                row["fa4_fraction_of_copy"] = round(moved / (row["peer_ms"]["fa4"] * 1e-3) / 1e9 / copy, 3)
+            print(f"  window branch hd{d} s{s}: {row['gbps']} GB/s = {row['fraction_of_copy']:.0%} of copy", flush=True)
+            rows.append(row)
+    return rows
+
+
+BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1, "d2": bench_stage_d2,
+           "d3": bench_stage_d3, "d4": bench_stage_d4}
 
 
 def run(stages=None) -> list:

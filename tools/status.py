@@ -63,11 +63,15 @@ def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
         stale = report.is_stale(rep)
         tag = f"{name.upper()}, {rep.get('date', '?')[:10]}"
         passed, failed, _ = _counts(rep.get("tests", {}).get(stage, {}).get(arch))
+        # any failure in the session (host tests, other stages) leaves the whole report unproven
+        session_failed = sum(_counts(c)[1] for by_arch in rep.get("tests", {}).values() for c in by_arch.values())
         if passed or failed:
             if stale:
                 verified.append(f"stale: {tag} ran older code")
             elif failed:
                 verified.append(f"FAILING on {tag}: {failed} of {passed + failed}")
+            elif session_failed:
+                verified.append(f"unproven: {tag}'s session had {session_failed} failing tests")
             else:
                 err = rep.get("errors", {}).get(stage, {}).get(arch, {})
                 e = f", worst rel {err['rel_fro']:.1e}" if err else ""

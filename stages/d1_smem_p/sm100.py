@@ -50,7 +50,8 @@ the host proves (FlashAttention-4's MLA kernel instead pairs two CTAs in one cta
 Algorithm (per CTA: one 128-row Q tile, O columns [X-half])
 -----------------------------------------------------------
 KV tiles are visited last first (a = n - 1, ..., 0; only the first visited one needs the seqlen_k
-mask) with stage C's online softmax (lazy rescale, one vote per warp). Per tile:
+mask) with stage C's online softmax (lazy rescale, one vote per warp). KV tile a holds keys
+origin + a T .. (origin = 0 here; ``kv_span``, below). Per tile:
 
     QK   S = sum over the d / B k-subtiles kb of Q[:, kb] K[kb]^T: B / 16 MMAs each, accumulated into
          the one S in TMEM (first MMA accumulate off); one tcgen05.commit after all of them. Partial
@@ -61,6 +62,22 @@ mask) with stage C's online softmax (lazy rescale, one vote per warp). Per tile:
     PV   for each of this CTA's o_cols / B N chunks c: O[:, c] (+)= P V[:, c], T / 16 MMAs
          (A = P by descriptor from sP (SS), or from TMEM (TS); B = V block c of the tile by
          descriptor from the ring).
+
+Seams for later stages (class attributes and methods, defaults: one row per token, every key seen)
+------------------------------------------------------------------------------------------------
+    row_views        D2: query heads folded into the rows (``pack_group``).
+    kv_length        D3: the request's keys, seqused_k[b] (``uses_seqused_k``).
+    kv_span          the Q tile's keys (common/kv_span.py: ``origin``, ``n_tiles``), the same for both
+                     O halves of a tile: the TMA warp offsets K's key mode (V's: its second mode) by
+                     origin, the MMA, softmax and correction warps iterate n_tiles.
+    has_left/right   D4: window bounds. The softmax thread of row t computes its keys [lo, hi) once
+                     (``common.sm100_softmax.visible_keys``) and per visit masks the keys past hi
+                     and before lo, each only where it cuts the tile (without bounds: the first
+                     visit's seqlen_k tail only).
+    may_hide_rows    D3, D4: a row may see no key: its max stays -inf, exp2 subtracts 0 instead, its
+                     rescale factor is 1 and the correction writes O = 0 (1 / l := 0), LSE = -inf.
+                     Compiled in only then.
+    longest_first    D4 causal: Q tiles scheduled last tile first (``q_tile_of``).
 
 Warp roles (320 threads; setmaxnreg not used: stage C's one-Q-tile budget, 168 registers each)
 ---------------------------------------------------------------------------------------------
@@ -143,8 +160,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
+from common.kv_span import KvSpan
 from common.layouts import check_attention_operands, reorder, seq_major
-from common.mask import mask_seqlen_k, num_kv_tiles
 from common.pack_heads import rows
 from common.sm100_correction import o_row_to_smem, rescale_o_row
 from common.sm100_smem_p import (
@@ -160,7 +177,17 @@ from common.sm100_smem_p import (
     qk_subtile_schedule,
     store_p_row,
 )
-from common.sm100_softmax import RESCALE_THRESHOLD, exp2_into_p, lazy_max_update, row_max
+from common.sm100_softmax import (
+    RESCALE_THRESHOLD,
+    exp2_into_p,
+    lazy_max_update,
+    mask_below,
+    mask_from,
+    max_to_subtract,
+    row_max,
+    visible_columns,
+    visible_keys,
+)
 from common.sm100_sync import Handoff, UseCountedBarriers
 from common.tmem import (
     EPI_COLS,
@@ -229,6 +256,9 @@ class FlashAttentionD1Sm100:
         mLSE: cute.Tensor,
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
+        mSeqUsedK: cute.Tensor | None = None,
+        window_left: cutlass.Int32 | None = None,
+        window_right: cutlass.Int32 | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -294,7 +324,7 @@ class FlashAttentionD1Sm100:
         grid = (cute.ceil_div(rows(q), QK_TILE_M) * plan.o_split, q.shape[2], q.shape[3])
         self.kernel(
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem,
+            lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
@@ -305,6 +335,39 @@ class FlashAttentionD1Sm100:
         tiles them, Q and O (rows, head_dim, heads, batch), LSE (rows, heads, batch). One
         row per token here; stage D2 folds query heads into the rows."""
         return q, o, lse
+
+    # ---- seams: what later stages change (defaults: one row per token, every key visible) ----
+    pack_group = 1  # D2: query heads folded into a row tile
+    uses_seqused_k = False  # D3: per-request key counts
+    has_left = has_right = False  # D4: window bounds (causal: right = 0)
+    longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
+
+    def q_tile_of(self, bx, grid_x):
+        """(m_blk, half): the Q tile of CTA ``bx`` and which o_cols-wide part of O it owns. Both
+        halves (o_split) of a Q tile get the same m_blk, hence the same span; longest_first
+        (causal) reverses the tile order so the tiles with the most keys start first."""
+        m_blk = bx // self.plan.o_split
+        half = bx % self.plan.o_split
+        if self.longest_first:
+            m_blk = grid_x // self.plan.o_split - 1 - m_blk
+        return m_blk, half
+
+    def kv_length(self, mSeqUsedK, batch, seqlen_k):
+        """The keys of request ``batch`` (D3: seqused_k[batch])."""
+        return seqlen_k
+
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right) -> KvSpan:
+        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py)."""
+        return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
+                      window_right, self.has_left, self.has_right)
+
+    def may_hide_rows(self) -> bool:
+        """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
+        return self.uses_seqused_k or self.has_left or self.has_right
+
+    def masks_inner_tiles(self) -> bool:
+        """Whether tiles after the first visited one can straddle a boundary (window edges)."""
+        return self.has_left or self.has_right
 
     # /////////////////////////////////////////////////////////////////////////////////////
     #  device entry: barriers, SMEM views, warp roles
@@ -329,16 +392,21 @@ class FlashAttentionD1Sm100:
         v_ring: cute.ComposedLayout,
         p_smem: cute.ComposedLayout,
         o_smem: cute.ComposedLayout,
+        mSeqUsedK: cute.Tensor | None,  # (batch,) int32: D3's per-request key counts
+        window_left: Int32 | None,  # D4's window bounds
+        window_right: Int32 | None,
     ):
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bx, h, b = cute.arch.block_idx()
-        m_blk = bx // plan.o_split
-        half = bx % plan.o_split  # which o_cols-wide part of O this CTA owns
+        m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
         hk = h // (mQ.shape[2] // mK.shape[2])  # GQA: `heads // kv_heads` query heads share a KV head
-        seqlen_k = mK.shape[0]
-        n_tiles = num_kv_tiles(seqlen_k, plan.tile_n)
+        # the Q tile's keys: KV tile n holds keys span.origin + n * tile_n ..; both O halves of a
+        # Q tile (o_split) compute the same span from the same m_blk
+        seqlen_k = self.kv_length(mSeqUsedK, b, mK.shape[0])
+        span = self.kv_span(m_blk, rows(mQ), seqlen_k, window_left, window_right)
+        n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:
             cpasync.prefetch_descriptor(tma_atom_q)
@@ -383,7 +451,7 @@ class FlashAttentionD1Sm100:
         if warp_idx == self.tma_warp:
             self.load(
                 qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, n_tiles,
+                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span.origin, n_tiles,
             )  # fmt: skip
 
         if warp_idx == self.mma_warp:
@@ -394,7 +462,7 @@ class FlashAttentionD1Sm100:
 
         if warp_idx < self.correction_warps[0]:
             self.softmax(
-                scale_log2, seqlen_k, n_tiles, tmem, tmem_barrier, s_full, pv_ready, stats, sStats, sP,
+                scale_log2, span, m_blk, tmem, tmem_barrier, s_full, pv_ready, stats, sStats, sP,
                 tidx % EPI_THREADS, warp_idx % 4,
             )  # fmt: skip
 
@@ -410,7 +478,7 @@ class FlashAttentionD1Sm100:
     @cute.jit
     def load(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, n_tiles,
+        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, origin, n_tiles,
     ):  # fmt: skip
         plan = self.plan
         gQ = cute.local_tile(mQ[None, None, h, b], (QK_TILE_M, plan.head_dim), (None, 0))
@@ -418,19 +486,8 @@ class FlashAttentionD1Sm100:
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
             cute.group_modes(qk_mma.get_slice(0).partition_A(gQ), 0, 3),
         )  # fmt: skip
-        # K blocks: (tile_n, d_block) boxes of (seqlen_k, head_dim), indexed [None, tile, kb]
-        gK = cute.local_tile(mK[None, None, hk, b], (plan.tile_n, plan.d_block), (None, None))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
-            cute.group_modes(qk_mma.get_slice(0).partition_B(gK), 0, 3),
-        )  # fmt: skip
-        if const_expr(not self.kv_shared):
-            # V blocks: (d_block, tile_n) boxes of (head_dim, seqlen_k), indexed [None, vb, tile]
-            gV = cute.local_tile(mV[None, None, hk, b], (plan.d_block, plan.tile_n), (None, None))
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
-                cute.group_modes(pv_mma.get_slice(0).partition_B(gV), 0, 3),
-            )  # fmt: skip
+        tKsK, tKgK, tVsV, tVgV = self.kv_tma_views(qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b,
+                                                   origin)
 
         stage = q_producer.acquire_and_advance()
         cute.copy(tma_atom_q, tQgQ[None, m_blk], tQsQ[None, 0], tma_bar_ptr=stage.barrier)
@@ -448,6 +505,28 @@ class FlashAttentionD1Sm100:
                     )
         # every stage's last release (tcgen05.commit) has arrived before this warp exits
         ring_producer.tail()
+
+    def kv_tma_views(self, qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b, origin):
+        """The ring's TMA partitions: tKgK[None, tile, kb] is K block kb of KV tile ``tile``, a
+        (tile_n, d_block) box of (seqlen_k, head_dim) at key origin + tile * tile_n (a TMA box starts at
+        any row; keys past the tensor are zero-filled); K != V: tVgV[None, vb, tile] is V block vb, a
+        (d_block, tile_n) box of (head_dim, seqlen_k) at the same keys (None, None when K = V)."""
+        plan = self.plan
+        gK = cute.local_tile(cute.domain_offset((origin, 0), mK[None, None, hk, b]), (plan.tile_n, plan.d_block),
+                             (None, None))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            cute.group_modes(qk_mma.get_slice(0).partition_B(gK), 0, 3),
+        )  # fmt: skip
+        tVsV = tVgV = None
+        if not self.kv_shared:
+            gV = cute.local_tile(cute.domain_offset((0, origin), mV[None, None, hk, b]),
+                                 (plan.d_block, plan.tile_n), (None, None))
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                cute.group_modes(pv_mma.get_slice(0).partition_B(gV), 0, 3),
+            )  # fmt: skip
+        return tKsK, tKgK, tVsV, tVgV
 
     # /////////////////////////////////////////////////////////////////////////////////////
     #  MMA warp: TMEM owner; S = sum_kb Q_kb K_kb^T (SS); O_c += P V_c (SS, P from sP)
@@ -529,18 +608,47 @@ class FlashAttentionD1Sm100:
     # /////////////////////////////////////////////////////////////////////////////////////
     #  Softmax warpgroup: thread t owns row t of S, P, m and l; P goes to sP
     # /////////////////////////////////////////////////////////////////////////////////////
-    @cute.jit
-    def softmax(
-        self, scale_log2, seqlen_k, n_tiles, tmem, tmem_barrier, s_full, pv_ready, stats, sStats, sP, t, warp,
-    ):  # fmt: skip
-        plan = self.plan
-        tmem.wait_for_alloc()
-        tmem_base = tmem.retrieve_ptr(Float32)
-        tmem_map = SmemPTmemMap.packed(self.dtype, plan)
+    def s_row_load(self, tmem_base, t):
+        """Softmax thread t's S load: (tiled copy, its TMEM source chunks, the (row, key) within the
+        tile of each register value). One row per thread: every value's row is t (host-proven)."""
+        tmem_map = SmemPTmemMap.packed(self.dtype, self.plan)
         tiled_s_load, tS_chunks = make_acc_tmem_load(tmem_map.s().at(tmem_base), EPI_COLS)
         thr_s_load = tiled_s_load.get_slice(t)
         tTR_tS = thr_s_load.partition_S(tS_chunks)
-        tTR_cS = thr_s_load.partition_D(epi_view(cute.make_identity_tensor((QK_TILE_M, plan.tile_n)), EPI_COLS))
+        ids = epi_view(cute.make_identity_tensor((QK_TILE_M, self.plan.tile_n)), EPI_COLS)
+        return tiled_s_load, tTR_tS, thr_s_load.partition_D(ids)
+
+    def row_keys(self, span: KvSpan, m_blk, tTR_cS: cute.Tensor):
+        """The keys [lo, hi) this softmax thread's row sees (its row: value 0's, the same for every value)."""
+        return visible_keys(span, m_blk * QK_TILE_M + tTR_cS[0][0])
+
+    @cute.jit
+    def mask_s_row(self, s_row: cute.Tensor, tTR_cS: cute.Tensor, span: KvSpan, keys, it):
+        """Keys of visit ``it`` (KV tile n_tiles - 1 - it) outside the row's ``keys`` -> -inf
+        (common/sm100_softmax.py; run on the host for every thread in tests/test_d34_sm100_host.py)."""
+        lo, hi = visible_columns(keys, span.first_key(span.n_tiles - 1 - it))
+        if const_expr(self.masks_inner_tiles()):
+            # any visit may straddle a window edge: each bound is applied where it cuts this row's
+            # tile (kv_span.tile_needs_mask per row: a tile that passes it cuts no row)
+            if hi < span.tile_n:
+                mask_from(s_row, tTR_cS, hi)
+            if const_expr(lo is not None):
+                if lo > 0:
+                    mask_below(s_row, tTR_cS, lo)
+        else:
+            if it == 0:  # the first visit holds the span's last key: the only keys past seqlen_k
+                mask_from(s_row, tTR_cS, hi)
+
+    @cute.jit
+    def softmax(
+        self, scale_log2, span, m_blk, tmem, tmem_barrier, s_full, pv_ready, stats, sStats, sP, t, warp,
+    ):  # fmt: skip
+        plan = self.plan
+        n_tiles = span.n_tiles
+        tmem.wait_for_alloc()
+        tmem_base = tmem.retrieve_ptr(Float32)
+        tmem_map = SmemPTmemMap.packed(self.dtype, plan)
+        tiled_s_load, tTR_tS, tTR_cS = self.s_row_load(tmem_base, t)
         tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, Float32)
         if const_expr(plan.p_in_smem):
             p_row = cute.make_rmem_tensor(tTR_cS.shape, self.dtype)  # value v = key v of this row
@@ -557,6 +665,7 @@ class FlashAttentionD1Sm100:
             p_row = cute.make_tensor(tRT_rP.iterator, cute.make_layout(tTR_rS.shape))
 
         row = tTR_cS[0][0]  # the row this thread owns (t, proven on the host)
+        keys = self.row_keys(span, m_blk, tTR_cS)
         m = Float32(-Float32.inf)
         row_sum = Float32(0.0)
         for it in cutlass.range(n_tiles, unroll=1):
@@ -565,14 +674,14 @@ class FlashAttentionD1Sm100:
             for c in cutlass.range_constexpr(cute.size(tTR_tS, mode=[4])):
                 cute.copy(tiled_s_load, tTR_tS[None, None, None, 0, c], tTR_rS[None, None, None, 0, c])
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
-            if it == 0:  # the first visited tile, n - 1, is the only one with keys past seqlen_k
-                mask_seqlen_k(tTR_rS, tTR_cS, n_tiles - 1, plan.tile_n, seqlen_k)
-            m, scale = lazy_max_update(m, row_max(tTR_rS), scale_log2, RESCALE_THRESHOLD)
+            self.mask_s_row(tTR_rS, tTR_cS, span, keys, it)
+            m, scale = lazy_max_update(m, row_max(tTR_rS), scale_log2, RESCALE_THRESHOLD, self.may_hide_rows())
             if it > 0:
                 stats.producer_acquire(warp, it - 1)
                 sStats[row, 0] = scale
                 stats.producer_commit(warp)
-            row_sum = row_sum * scale + exp2_into_p(tTR_rS, p_row, scale_log2, m)
+            row_sum = row_sum * scale + exp2_into_p(tTR_rS, p_row, scale_log2,
+                                                    max_to_subtract(m, self.may_hide_rows()))
             if const_expr(plan.p_in_smem):
                 store_p_row(p_row, sP_mk, row)
                 cute.arch.fence_view_async_shared()  # fence.proxy.async.shared::cta: P visible to the MMA
@@ -635,7 +744,10 @@ class FlashAttentionD1Sm100:
         tTR_sO = thr_o_load.partition_D(epi_view(sO, EPI_COLS))
         o_full.wait(0, 0)
         fence_after_thread_sync()
-        o_row_to_smem(tiled_o_load, tTR_tO, tTR_sO, tTR_rO, cute.arch.rcp_approx(row_sum), self.dtype)
+        inv_row_sum = cute.arch.rcp_approx(row_sum)
+        if const_expr(self.may_hide_rows()):  # a row that saw no key: O = 0 (not 0 * inf); LSE is -inf already
+            inv_row_sum = Float32(0.0) if row_sum == Float32(0.0) else inv_row_sum
+        o_row_to_smem(tiled_o_load, tTR_tO, tTR_sO, tTR_rO, inv_row_sum, self.dtype)
 
         cute.arch.fence_view_async_shared()  # sO visible to the TMA (async proxy)
         epi_barrier.arrive_and_wait()

@@ -81,8 +81,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from common.compile import SMEM_LIMIT
+from common.kv_span import KvSpan
 from common.layouts import check_attention_operands, seq_major
-from common.mask import mask_seqlen_k, num_kv_tiles
 from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from common.pack_heads import rows
 from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
@@ -204,6 +204,9 @@ class FlashAttentionD1Sm90:
         mLSE: cute.Tensor,
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
+        mSeqUsedK: cute.Tensor | None = None,
+        window_left: cutlass.Int32 | None = None,
+        window_right: cutlass.Int32 | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -259,12 +262,36 @@ class FlashAttentionD1Sm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
+            mSeqUsedK, window_left, window_right,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    # ---- seams: what later stages change (defaults: one row per token, every key visible) ----
+    pack_group = 1  # D2: query heads folded into a row tile
+    uses_seqused_k = False  # D3: per-request key counts
+    has_left = has_right = False  # D4: window bounds (causal: right = 0)
+    longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
+
+    def kv_length(self, mSeqUsedK, batch, seqlen_k):
+        """The keys of request ``batch`` (D3: seqused_k[batch])."""
+        return seqlen_k
+
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right) -> KvSpan:
+        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py)."""
+        return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
+                      self.has_left, self.has_right)
+
+    def may_hide_rows(self) -> bool:
+        """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
+        return self.uses_seqused_k or self.has_left or self.has_right
+
+    def masks_inner_tiles(self) -> bool:
+        """Whether tiles after the first visited one can straddle a boundary (window edges)."""
+        return self.has_left or self.has_right
 
     def row_views(self, mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
         """The seam where later stages change what a Q row is: (Q, O, LSE) as the kernel
@@ -291,9 +318,14 @@ class FlashAttentionD1Sm90:
         sKV_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
+        mSeqUsedK: cute.Tensor | None,
+        window_left: cutlass.Int32 | None,
+        window_right: cutlass.Int32 | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.longest_first):  # causal: the tiles with the most keys start first
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
         head_kv = head // (mQ.shape[2] // mK.shape[2])
 
         if warp_idx == 0:
@@ -339,25 +371,30 @@ class FlashAttentionD1Sm90:
         row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
 
         d = self.head_dim
+        seqlen_k = self.kv_length(mSeqUsedK, batch, mK.shape[0])
+        span = self.kv_span(m_block, rows(mQ), seqlen_k, window_left, window_right)
+        origin, n_blocks = span.origin, span.n_tiles
+        # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
+        mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, batch])
+        mV_hb = cute.domain_offset((origin, 0), mV[None, None, head_kv, batch])
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
         gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-        n_blocks = num_kv_tiles(mK.shape[0], self.tile_n)
+        gK = cute.local_tile(mK_hb, (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV_hb, (self.tile_n, d), (None, 0))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(
                     q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
-                    tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK[None, None, head_kv, batch],
+                    tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK_hb,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
                 sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, mLSE, scale_log2,
-                m_block, head, batch, rows(mQ), mK.shape[0],
+                m_block, head, batch, rows(mQ), span,
             )
 
     @cute.jit
@@ -434,7 +471,7 @@ class FlashAttentionD1Sm90:
         head: cutlass.Int32,
         batch: cutlass.Int32,
         seqlen_q: cutlass.Int32,
-        seqlen_k: cutlass.Int32,
+        span: KvSpan,
     ):
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -445,7 +482,7 @@ class FlashAttentionD1Sm90:
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.qk_rows(), self.o_width)))
         r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # P, 16-bit, laid out like S
         tOrP = as_a_operand(r_p)
-        softmax = OnlineSoftmax(acc_s.layout, scale_log2)
+        softmax = OnlineSoftmax(acc_s.layout, scale_log2, may_be_empty=self.may_hide_rows())
         o_scale = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
         # split: this thread's rows within the 64 shared rows, and whether it writes them
         stat_rows = acc_rows_view(tScS)
@@ -467,14 +504,14 @@ class FlashAttentionD1Sm90:
         warpgroup.wait_group(0)
         if cutlass.const_expr(not self.kv_shared):
             pipeline_k.consumer_release(state)
-        mask_seqlen_k(acc_s, tScS, n_blocks - 1, self.tile_n, seqlen_k)
+        span.mask(acc_s, tScS, n_blocks - 1, m_block * self.tile_m)
         softmax.update(acc_s, is_first=True, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg))
         self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
         acc_o.fill(0.0)
         o_scale.fill(1.0)
 
         # ---- every further tile: QK(n) and PV(n + 1) in flight, then softmax(n) --------
-        for _ in cutlass.range(n_blocks - 1, unroll=1):
+        for i in cutlass.range(n_blocks - 1, unroll=1):
             v_state = state.clone()
             t_v = t
             if cutlass.const_expr(self.kv_shared):
@@ -497,6 +534,8 @@ class FlashAttentionD1Sm90:
             warpgroup.wait_group(1)  # S(n) complete; PV may still run
             if cutlass.const_expr(not self.kv_shared):
                 pipeline_k.consumer_release(state)
+            if cutlass.const_expr(self.masks_inner_tiles()):
+                span.mask_if_needed(acc_s, tScS, n_blocks - 2 - i, m_block * self.tile_m)
             row_scale = softmax.update(
                 acc_s, is_first=False, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg)
             )

@@ -1,0 +1,147 @@
+"""Which keys a Q tile visits, and which of its KV tiles need a mask (FlashAttention's block_info).
+
+Visibility (FlashAttention's convention, bottom-right aligned): query token i of a request
+with seqlen_q queries and seqlen_k keys sits at i' = i + seqlen_k - seqlen_q and sees key j iff
+
+    0 <= j < seqlen_k,    j >= i' - left  (left is not None),    j <= i' + right  (right is not None)
+
+causal is right = 0. seqlen_k is the request's key count: seqused_k[b] where given (stage D3).
+
+The span of a Q tile whose rows hold tokens [t_lo, t_hi] is the keys any of them sees,
+
+    lo = max(0, t_lo' - left)   (0 without a left bound)
+    hi = min(seqlen_k, t_hi' + right + 1)   (seqlen_k without a right bound)
+
+and the kernels cut it into KV tiles starting at ``origin = lo``, not at a multiple of tile_n:
+TMA boxes may start at any row, so a window of w keys takes ceil(w / tile_n) tiles instead of
+one more half-masked tile (DeepSeek-V4's 128-key window over one token's heads: two 64-key
+tiles, not three). An empty span (a window that hides every key, seqused_k = 0) still visits
+one tile, wholly masked: the softmax then sees no key and returns O = 0, LSE = -inf.
+
+A KV tile [a, a + tile_n) needs no mask iff every key of it is visible to every row of the Q
+tile: a + tile_n <= seqlen_k, a + tile_n - 1 <= t_lo' + right, a >= t_hi' - left. The kernels
+visit the tiles last-first; the mask runs only where ``tile_needs_mask`` says so.
+
+Every function here is plain integer arithmetic (``cutlass.min`` / ``cutlass.max`` work on
+Python ints and DSL integers alike), so the host proofs and tests call the same code the
+kernels trace.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+
+def visible(i: int, j: int, seqlen_q: int, seqlen_k: int, left, right) -> bool:
+    """The plain formula, one (query token, key) pair: for tests and host proofs."""
+    ip = i + seqlen_k - seqlen_q
+    return 0 <= j < seqlen_k and (left is None or j >= ip - left) and (right is None or j <= ip + right)
+
+
+def tile_tokens(m_block, tile_m: int, group: int, seqlen_q):
+    """(t_lo, t_hi): the first and last query token among the rows of Q tile m_block (rows packed
+    g heads per token, stage D2; g = 1 is one token per row). Rows past the last token count as
+    the last token (their results are never stored)."""
+    t_lo = m_block * tile_m // group
+    t_hi = cutlass.min((m_block * tile_m + tile_m - 1) // group, seqlen_q - 1)
+    return t_lo, t_hi
+
+
+def key_span(t_lo, t_hi, seqlen_q, seqlen_k, tile_n: int, left, right, has_left: bool, has_right: bool):
+    """(origin, n_tiles): the first key of the span and the KV tiles that cover it (>= 1)."""
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    if has_left:
+        lo = cutlass.max(t_lo + shift - left, 0)
+    if has_right:
+        hi = cutlass.min(t_hi + shift + right + 1, seqlen_k)
+    n_tiles = cutlass.max((hi - lo + tile_n - 1) // tile_n, 1)
+    return lo, n_tiles
+
+
+def tile_needs_mask(first_key, t_lo, t_hi, seqlen_q, seqlen_k, tile_n: int, left, right, has_left: bool,
+                    has_right: bool):
+    """Whether KV tile [first_key, first_key + tile_n) hides any key from any row of the Q tile."""
+    shift = seqlen_k - seqlen_q
+    last_key = first_key + tile_n - 1
+    needs = last_key >= seqlen_k
+    if has_right:
+        needs = needs | (last_key > t_lo + shift + right)
+    if has_left:
+        needs = needs | (first_key < t_hi + shift - left)
+    return needs
+
+
+@cute.jit
+def mask_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Constexpr[int], first_key,
+              seqlen_q, seqlen_k, left, right, has_left: cutlass.Constexpr[bool],
+              has_right: cutlass.Constexpr[bool]):
+    """Scores of keys a row may not see -> -inf, in place. Value i of the thread holds tile row
+    tScS[i][0] (packed row first_row + that: token // group) and key first_key + tScS[i][1]."""
+    shift = seqlen_k - seqlen_q
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        key = first_key + tScS[i][1]
+        token_pos = (first_row + tScS[i][0]) // group + shift
+        hide = key >= seqlen_k
+        if cutlass.const_expr(has_right):
+            hide = hide | (key > token_pos + right)
+        if cutlass.const_expr(has_left):
+            hide = hide | (key < token_pos - left)
+        acc[i] = -cutlass.Float32.inf if hide else acc[i]
+
+
+class KvSpan:
+    """One Q tile's keys, as the kernels use them: ``origin`` (first key of KV tile 0) and
+    ``n_tiles``, and the masks of its tiles. Built once per CTA from the tile's rows
+    (``rows`` packed rows of ``group`` heads per token: seqlen_q = rows // group); ``left`` /
+    ``right`` are runtime window bounds, used only where ``has_left`` / ``has_right``."""
+
+    def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
+                 has_left: bool, has_right: bool):
+        self.seqlen_q = rows // group
+        self.seqlen_k = seqlen_k
+        self.tile_n, self.group = tile_n, group
+        self.left, self.right, self.has_left, self.has_right = left, right, has_left, has_right
+        self.t_lo, self.t_hi = tile_tokens(m_block, tile_m, group, self.seqlen_q)
+        self.origin, self.n_tiles = key_span(self.t_lo, self.t_hi, self.seqlen_q, seqlen_k, tile_n, left, right,
+                                             has_left, has_right)
+
+    # A runtime loop that uses the span carries it through its IR values (the DSL integers)
+    _DYNAMIC = ("seqlen_q", "seqlen_k", "left", "right", "t_lo", "t_hi", "origin", "n_tiles")
+
+    def __extract_mlir_values__(self):
+        values, self._counts = [], []
+        for name in self._DYNAMIC:
+            x = getattr(self, name)
+            v = [] if x is None or isinstance(x, int) else cutlass.extract_mlir_values(x)
+            self._counts.append(len(v))
+            values += v
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = object.__new__(KvSpan)
+        new.__dict__.update(self.__dict__)
+        at = 0
+        for name, n in zip(self._DYNAMIC, self._counts, strict=True):
+            if n:
+                setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
+            at += n
+        return new
+
+    def first_key(self, n):
+        return self.origin + n * self.tile_n
+
+    @cute.jit
+    def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
+        """Mask KV tile n of the span for the rows from packed row ``first_row`` on."""
+        mask_tile(acc, tScS, first_row, self.group, self.first_key(n), self.seqlen_q, self.seqlen_k, self.left,
+                  self.right, self.has_left, self.has_right)
+
+    @cute.jit
+    def mask_if_needed(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
+        """``mask`` where the tile straddles a boundary (the tiles inside every row's range skip it)."""
+        if tile_needs_mask(self.first_key(n), self.t_lo, self.t_hi, self.seqlen_q, self.seqlen_k, self.tile_n,
+                           self.left, self.right, self.has_left, self.has_right):
+            self.mask(acc, tScS, n, first_row)

@@ -1,0 +1,111 @@
+"""Stage D4: causal attention and sliding windows.
+
+``causal`` and ``window_size = (left, right)`` with FlashAttention-4's names and bottom-right
+alignment: query i sees key j iff i' - left <= j <= i' + right with i' = i + seqlen_k - seqlen_q
+(seqlen_k = seqused_k[b] where given); None is unbounded, causal is right = 0. No sentinel means
+"no window": bounds are ints >= 0 or None. KV tiles outside a Q tile's visible span are never
+loaded; masks run only on the tiles that straddle a boundary; a row that sees no key returns O = 0
+and LSE = -inf. The window bounds are runtime arguments: one compiled kernel per (which bounds
+exist), whatever their values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common import interface, jit
+from common.pack_heads import pack_group
+from common.validation import check_seqused_k, check_window
+from stages.d2_pack_heads import tile_rows
+
+ID = "d4"
+NAME = "causal_window"
+ADDS = "causal and sliding-window masks: only the KV tiles of a Q tile's span are loaded, only its edge tiles masked"
+HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
+DTYPES = (torch.bfloat16, torch.float16)
+KERNELS = {
+    "sm90": "stages.d4_causal_window.sm90:FlashAttentionD4Sm90",
+    "sm100": "stages.d4_causal_window.sm100:FlashAttentionD4Sm100",
+}
+#: what the CPU demo compiles at every head dim: DeepSeek-V4's window branch (left and right bounds)
+DEMO_OPTIONS = {"pack_group": 64, "seqused_k": True, "has_left": True, "has_right": True}
+
+
+def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
+    return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
+
+
+def example_args(dtype: torch.dtype, head_dim: int, kv_shared: bool = False, seqused_k: bool = False,
+                 has_left: bool = False, has_right: bool = False, **_):
+    import cutlass
+
+    args = interface.attention_example_args(dtype, head_dim, seqlen_k=1000)
+    if kv_shared:
+        args[2] = args[1]
+    args += [jit.as_cute(torch.empty(2, dtype=torch.int32)) if seqused_k else None,
+             cutlass.Int32(127) if has_left else None, cutlass.Int32(0) if has_right else None]
+    return args
+
+
+def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
+            seqused_k: torch.Tensor | None = None, pack_gqa: bool | None = None, out=None, lse_out=None,
+            p_in_smem: bool | None = None):
+    """Stage D3's attention (heads packed, seqused_k) restricted to a causal / sliding window.
+
+    causal: right bound 0. window_size: (left, right), each an int >= 0 or None (unbounded).
+    DeepSeek-V4's window branch is ``causal=True, window_size=(127, 0)``.
+    """
+    left, right = check_window(causal, window_size)
+    kv_shared = interface.same_memory(k, v)
+    options = {"kv_shared": kv_shared}
+    if p_in_smem is not None:
+        options["p_in_smem"] = bool(p_in_smem)
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
+
+    def prepare(arch, q, k):
+        if seqused_k is not None:
+            check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
+        m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
+        return {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m), "seqused_k": seqused_k is not None,
+                "has_left": left is not None, "has_right": right is not None}
+
+    def extra():
+        import cutlass
+
+        return [jit.as_cute(seqused_k) if seqused_k is not None else None,
+                None if left is None else cutlass.Int32(left), None if right is None else cutlass.Int32(right)]
+
+    return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
+                                       options=options, options_for=prepare, extra_args=extra)
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(None, None)) -> int:
+    """Visible (query, key) pairs of one head (for FLOP counts over the visible keys)."""
+    left, right = check_window(causal, window_size)
+    total = 0
+    for i in range(seqlen_q):
+        ip = i + seqlen_k - seqlen_q
+        lo = 0 if left is None else max(0, ip - left)
+        hi = seqlen_k if right is None else min(seqlen_k, ip + right + 1)
+        total += max(0, hi - lo)
+    return total
+
+
+def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None)) -> int:
+    return 4 * batch * heads * visible_pairs(seqlen_q, seqlen_k, causal, window_size) * head_dim
+
+
+def demo_case(device, head_dim: int = 512):
+    """bf16 DeepSeek-V4 window branch: 128 heads on one KV head, K = V, 4096 tokens, causal, window (127, 0)."""
+    from common import bench
+    from common.reference import attention
+    from common.testing import errors, random_bshd
+
+    q = random_bshd(1, 4096, 128, head_dim, torch.bfloat16, device)
+    kv = random_bshd(1, 4096, 1, head_dim, torch.bfloat16, device)
+    o, _ = forward(q, kv, kv, causal=True, window_size=(127, 0))
+    rows = slice(0, 512)
+    e = errors(o[:, rows], attention(q[:, rows], kv[:, :512], kv[:, :512], causal=True, window_size=(127, 0))[0])
+    ms = bench.time_ms([lambda: forward(q, kv, kv, causal=True, window_size=(127, 0))])
+    return e, ms, bench.tflops(flops(1, 4096, 4096, 128, head_dim, True, (127, 0)), ms)

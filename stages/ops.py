@@ -1,0 +1,83 @@
+"""Every stage's ``forward`` as a torch custom op, so that ``torch.compile`` (fullgraph) traces
+through calls to it and CUDA graphs capture it.
+
+    import stages.ops                                    # registers the ops once
+    o, lse = torch.ops.dsv4_attention.d4_causal_window(q, k, v, causal=True, window_left=127)
+    s = torch.ops.dsv4_attention.a_qk_gemm(q, k)
+
+One op per stage, named ``dsv4_attention::<id>_<name>``. The attention stages share one schema
+
+    (q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None,
+     seqused_k=None, pack_gqa=None) -> (o, lse)
+
+(a window is two optional ints, as a schema cannot hold a tuple with None); an argument a stage
+does not take must keep its default (ValueError otherwise, from the op as from ``forward``).
+Each op has a fake (meta) implementation that gives the outputs' shapes and dtypes without a GPU:
+o like q (contiguous), lse [batch, heads, seqlen_q] fp32; stage A's scores [batch, heads,
+seqlen_q, seqlen_k] fp32. The ops never alias or mutate their inputs. K = V is still detected
+from the tensors the op receives (the same tensor passed as k and v).
+"""
+
+import inspect
+
+import torch
+
+import stages
+
+NAMESPACE = "dsv4_attention"
+OPS: dict = {}
+
+
+def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa) -> dict:
+    """The forward keyword arguments of ``stage`` for the op's arguments (those it takes)."""
+    takes = inspect.signature(stage.forward).parameters
+    given = {"softmax_scale": softmax_scale, "causal": causal, "seqused_k": seqused_k, "pack_gqa": pack_gqa}
+    if window_left is not None or window_right is not None:
+        given["window_size"] = (window_left, window_right)
+    kwargs = {}
+    for name, value in given.items():
+        default = {"causal": False}.get(name)
+        if name in takes:
+            kwargs[name] = value
+        elif value is not default:
+            raise ValueError(f"stage {stage.id} does not take {name} (got {value!r}); stages that do: "
+                             f"{[s.id for s in stages.STAGES if name in inspect.signature(s.forward).parameters]}")
+    return kwargs
+
+
+def _register_attention(stage):
+    name = f"{NAMESPACE}::{stage.id}_{stage.name}"
+
+    @torch.library.custom_op(name, mutates_args=(), device_types="cuda")
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+           causal: bool = False, window_left: int | None = None, window_right: int | None = None,
+           seqused_k: torch.Tensor | None = None, pack_gqa: bool | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs = _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa)
+        o, lse = stage.forward(q, k, v, **kwargs)
+        return o, lse
+
+    @op.register_fake
+    def _(q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None, seqused_k=None,
+          pack_gqa=None):
+        b, sq, h, _ = q.shape
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+
+    return op
+
+
+def _register_qk(stage):
+    @torch.library.custom_op(f"{NAMESPACE}::{stage.id}_{stage.name}", mutates_args=(), device_types="cuda")
+    def op(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = None) -> torch.Tensor:
+        return stage.forward(q, k, softmax_scale=softmax_scale)
+
+    @op.register_fake
+    def _(q, k, softmax_scale=None):
+        b, sq, h, _ = q.shape
+        return q.new_empty((b, h, sq, k.shape[1]), dtype=torch.float32)
+
+    return op
+
+
+for _stage in stages.STAGES:
+    OPS[_stage.id] = _register_qk(_stage) if _stage.id == "a" else _register_attention(_stage)

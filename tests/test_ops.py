@@ -1,0 +1,120 @@
+"""Every stage's forward as a torch custom op (stages/ops.py): fake implementations and the
+op checks here (meta tensors, no GPU); on a GPU, opcheck with real tensors, torch.compile with
+fullgraph=True (no graph break) equal to eager, and CUDA-graph capture and replay equal to eager,
+bit for bit."""
+
+import pytest
+import torch
+
+import stages
+import stages.ops as ops
+from common.testing import attention_inputs, gpu_arch_params
+
+ATTENTION = [s.id for s in stages.STAGES if s.id != "a"]
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def op(stage_id):
+    return ops.OPS[stage_id]
+
+
+@pytest.mark.parametrize("stage_id", ATTENTION)
+def test_fake_attention_shapes(stage_id):
+    q, k = meta(2, 10, 8, 128), meta(2, 30, 2, 128)
+    o, lse = op(stage_id)(q, k, k)
+    assert o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous()
+    assert lse.shape == (2, 8, 10) and lse.dtype == torch.float32
+
+
+def test_fake_scores_shape():
+    s = op("a")(meta(2, 10, 8, 64), meta(2, 30, 8, 64))
+    assert s.shape == (2, 8, 10, 30) and s.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stage_id", ["b", "d1", "d4"])
+def test_opcheck_schema_and_fake(stage_id):
+    q, k = meta(2, 10, 8, 128), meta(2, 30, 2, 128)
+    torch.library.opcheck(op(stage_id), (q, k, k), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_export_has_no_graph_break():
+    """torch.export traces whole graphs only (as torch.compile's fullgraph=True): the op is one node."""
+
+    class Branch(torch.nn.Module):
+        def forward(self, q, kv, n):
+            o, lse = torch.ops.dsv4_attention.d4_causal_window(q, kv, kv, causal=True, window_left=127,
+                                                              seqused_k=n)
+            return o * 2, lse
+
+    ep = torch.export.export(Branch(), (meta(1, 64, 16, 512), meta(1, 64, 1, 512), meta(1, dtype=torch.int32)))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert "dsv4_attention.d4_causal_window.default" in targets
+
+
+def test_arguments_a_stage_does_not_take_are_refused():
+    with pytest.raises(ValueError, match="does not take causal"):
+        ops._stage_kwargs(stages.get("c"), None, True, None, None, None, None)
+    with pytest.raises(ValueError, match="does not take window_size"):
+        ops._stage_kwargs(stages.get("d3"), None, False, 127, 0, None, None)
+    assert ops._stage_kwargs(stages.get("d4"), 0.1, True, 127, None, None, None) == {
+        "softmax_scale": 0.1, "causal": True, "seqused_k": None, "pack_gqa": None, "window_size": (127, None)}
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------
+
+
+def decode_inputs():
+    q, kv, _, _ = attention_inputs(4, 2, 700, 128, 1, 512, torch.bfloat16, kv_shared=True)
+    n = torch.tensor([700, 1, 350, 0], dtype=torch.int32, device="cuda")
+    return q, kv, n
+
+
+def branch(q, kv, n):
+    o, lse = torch.ops.dsv4_attention.d4_causal_window(q, kv, kv, causal=True, window_left=127, seqused_k=n)
+    return o * 2, lse  # exact in bf16: compiled and eager must agree bit for bit
+
+
+@pytest.mark.stage_d4
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_opcheck_on_gpu(arch):
+    q, kv, n = decode_inputs()
+    torch.library.opcheck(op("d4"), (q, kv, kv), {"causal": True, "window_left": 127, "seqused_k": n})
+    q2, k2, v2, _ = attention_inputs(2, 100, 300, 4, 2, 128, torch.bfloat16)
+    torch.library.opcheck(op("c"), (q2, k2, v2))
+
+
+@pytest.mark.stage_d4
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_torch_compile_fullgraph_equals_eager(arch):
+    q, kv, n = decode_inputs()
+    eager = branch(q, kv, n)
+    compiled = torch.compile(branch, fullgraph=True)(q, kv, n)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.stage_d4
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("stage_id", ["d1", "d2", "d4"])
+def test_cuda_graph_replay_equals_eager(arch, stage_id):
+    q, kv, n = decode_inputs()
+    kwargs = {"causal": True, "window_left": 127, "seqused_k": n} if stage_id == "d4" else {}
+    call = lambda: op(stage_id)(q, kv, kv, **kwargs)  # noqa: E731
+    o_eager, lse_eager = call()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # warm (compiled already; this keeps the capture free of first-use work)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph, lse_graph = call()
+    for _ in range(2):
+        o_graph.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager)
