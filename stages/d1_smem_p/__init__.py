@@ -34,11 +34,8 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
     return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
 
 
-def example_args(dtype: torch.dtype, head_dim: int, kv_shared: bool = False, **_):
-    args = interface.attention_example_args(dtype, head_dim, seqlen_k=1000)
-    if kv_shared:
-        args[2] = args[1]  # the same tensor as K and V
-    return args
+def example_args(dtype: torch.dtype, head_dim: int, **options):
+    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=None, p_in_smem: bool | None = None):

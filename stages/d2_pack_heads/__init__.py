@@ -15,7 +15,6 @@ import functools
 import torch
 
 from common import interface, jit
-from common.pack_heads import pack_group
 
 ID = "d2"
 NAME = "pack_heads"
@@ -36,11 +35,8 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
     return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
 
 
-def example_args(dtype: torch.dtype, head_dim: int, kv_shared: bool = False, **_):
-    args = interface.attention_example_args(dtype, head_dim, seqlen_k=1000)
-    if kv_shared:
-        args[2] = args[1]  # the same tensor as K and V
-    return args
+def example_args(dtype: torch.dtype, head_dim: int, **options):
+    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
 
 
 @functools.cache
@@ -61,19 +57,8 @@ def forward(q, k, v, *, softmax_scale: float | None = None, pack_gqa: bool | Non
     kernel's tile rows or is a multiple of them; see common/pack_heads.py), True insists
     (ValueError where it cannot), False runs one head per tile as stage D1.
     """
-    kv_shared = interface.same_memory(k, v)
-    options = {"kv_shared": kv_shared}
-    if p_in_smem is not None:
-        options["p_in_smem"] = bool(p_in_smem)
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
-
-    def group_for(arch, q, k):
-        m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
-        return {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
-
-    return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
-                                       options=options, options_for=group_for)
+    return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
+                                              tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa)
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:

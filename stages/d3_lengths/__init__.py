@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 
 from common import interface, jit
-from common.pack_heads import pack_group
-from common.validation import check_seqused_k
 from stages.d2_pack_heads import tile_rows
 
 ID = "d3"
@@ -32,13 +30,8 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
     return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
 
 
-def example_args(dtype: torch.dtype, head_dim: int, kv_shared: bool = False, seqused_k: bool = False, **_):
-    args = interface.attention_example_args(dtype, head_dim, seqlen_k=1000)
-    if kv_shared:
-        args[2] = args[1]
-    if seqused_k:
-        args.append(jit.as_cute(torch.empty(2, dtype=torch.int32)))
-    return args
+def example_args(dtype: torch.dtype, head_dim: int, **options):
+    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, seqused_k: torch.Tensor | None = None,
@@ -48,24 +41,9 @@ def forward(q, k, v, *, softmax_scale: float | None = None, seqused_k: torch.Ten
     seqused_k: None (every key) or [batch] int32 on q's device with values in [0, seqlen_k]
     (checked before launch). Rows with no visible key: O = 0, LSE = -inf.
     """
-    kv_shared = interface.same_memory(k, v)
-    options = {"kv_shared": kv_shared}
-    if p_in_smem is not None:
-        options["p_in_smem"] = bool(p_in_smem)
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
-
-    def prepare(arch, q, k):
-        if seqused_k is not None:
-            check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
-        m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
-        return {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m), "seqused_k": seqused_k is not None}
-
-    def extra():
-        return [jit.as_cute(seqused_k)] if seqused_k is not None else []
-
-    return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
-                                       options=options, options_for=prepare, extra_args=extra)
+    return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
+                                              tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,
+                                              seqused_k=seqused_k)
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from common import interface, jit
-from common.pack_heads import pack_group
-from common.validation import check_seqused_k, check_window
+from common.validation import check_window
 from stages.d2_pack_heads import tile_rows
 
 ID = "d4"
@@ -35,16 +34,8 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
     return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
 
 
-def example_args(dtype: torch.dtype, head_dim: int, kv_shared: bool = False, seqused_k: bool = False,
-                 has_left: bool = False, has_right: bool = False, **_):
-    import cutlass
-
-    args = interface.attention_example_args(dtype, head_dim, seqlen_k=1000)
-    if kv_shared:
-        args[2] = args[1]
-    args += [jit.as_cute(torch.empty(2, dtype=torch.int32)) if seqused_k else None,
-             cutlass.Int32(127) if has_left else None, cutlass.Int32(0) if has_right else None]
-    return args
+def example_args(dtype: torch.dtype, head_dim: int, **options):
+    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
@@ -55,29 +46,10 @@ def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False
     causal: right bound 0. window_size: (left, right), each an int >= 0 or None (unbounded).
     DeepSeek-V4's window branch is ``causal=True, window_size=(127, 0)``.
     """
-    left, right = check_window(causal, window_size)
-    kv_shared = interface.same_memory(k, v)
-    options = {"kv_shared": kv_shared}
-    if p_in_smem is not None:
-        options["p_in_smem"] = bool(p_in_smem)
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
-
-    def prepare(arch, q, k):
-        if seqused_k is not None:
-            check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
-        m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
-        return {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m), "seqused_k": seqused_k is not None,
-                "has_left": left is not None, "has_right": right is not None}
-
-    def extra():
-        import cutlass
-
-        return [jit.as_cute(seqused_k) if seqused_k is not None else None,
-                None if left is None else cutlass.Int32(left), None if right is None else cutlass.Int32(right)]
-
-    return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
-                                       options=options, options_for=prepare, extra_args=extra)
+    window = check_window(causal, window_size)
+    return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
+                                              tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,
+                                              seqused_k=seqused_k, window=window)
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(None, None)) -> int:
