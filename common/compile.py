@@ -113,9 +113,9 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
     """Compile in this process (the child side of ``compile_report``)."""
     import torch
 
-    import stages
-    from common import jit
-    from common.arch import target_arch
+    from dsv4_attention import stages
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import target_arch
 
     dtype = getattr(torch, dtype_name)
     mod = stages.get(stage_id).module
@@ -147,10 +147,14 @@ def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, tim
                    options: dict | None = None) -> CompileReport:
     """Compile in a child process with the file cache off and a time limit."""
     env = dict(os.environ, CUTE_DSL_DISABLE_FILE_CACHING="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import dsv4_attention
+
+    # the directory holding the package (the repository, or site-packages when installed)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dsv4_attention.__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     options = dict(options or {})
-    cmd = [sys.executable, "-m", "common.compile", stage_id, arch, dtype_name, str(head_dim), json.dumps(options)]
+    cmd = [sys.executable, "-m", "dsv4_attention.common.compile", stage_id, arch, dtype_name, str(head_dim),
+           json.dumps(options)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     except subprocess.TimeoutExpired:

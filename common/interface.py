@@ -15,19 +15,21 @@ import math
 
 import torch
 
-from common import jit
-from common.arch import arch_of_device
-from common.validation import check_out, check_qkv, check_scale
+from dsv4_attention.common import jit
+from dsv4_attention.common.arch import arch_of_device
+from dsv4_attention.common.validation import check_out, check_qkv, check_scale
 
 LOG2E = math.log2(math.e)
 MAX_GRID_YZ = 65535  # attention grids are (q tiles, heads, batch)
 
 
 def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 1000, *, kv_shared: bool = False,
-                           seqused_k: bool = False, has_left: bool = False, has_right: bool = False, **_):
+                           seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
+                           plain: bool = False, varlen: bool = False, has_sink: bool = False, **_):
     """CPU arguments to compile an attention kernel against (kernels are shape-dynamic), for the
-    kernel options given: K = V (one tensor as K and V) and, from stage D3 on, the trailing
-    (seqused_k, window_left, window_right) arguments where the options use them."""
+    kernel options given: K = V (one tensor as K and V) and the trailing (seqused_k,
+    window_left, window_right) arguments of stage D1's kernel and those built on it (``plain``:
+    a kernel without them, stages B and C)."""
     import cutlass
     from cutlass.cute.runtime import make_fake_stream
 
@@ -37,9 +39,11 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
     v = k if kv_shared else k.clone()
     args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(q.clone()), jit.as_cute(lse),
             cutlass.Float32(0.125 * LOG2E), make_fake_stream()]
-    if seqused_k or has_left or has_right:
+    if not plain:  # stage D1's kernel on: MASK_ARGS (optional tensors may be None, integers are always given)
+        cu = jit.as_cute(torch.zeros(3, dtype=torch.int32)) if varlen else None
         args += [jit.as_cute(torch.empty(2, dtype=torch.int32)) if seqused_k else None,
-                 cutlass.Int32(127) if has_left else None, cutlass.Int32(0) if has_right else None]
+                 cutlass.Int32(127 if has_left else 0), cutlass.Int32(0), cu, cu, cutlass.Int32(300 if varlen else 0),
+                 jit.as_cute(torch.zeros(4, dtype=torch.float32)) if has_sink else None]
     return args
 
 
@@ -89,9 +93,9 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
     """One bf16 run, timed; O of the first batch's first ``check_rows`` queries against the
     float64 reference (the whole problem's float64 scores would not fit). Returns
     (errors, milliseconds, TFLOP/s)."""
-    from common import bench
-    from common.reference import attention
-    from common.testing import errors, random_bshd
+    from dsv4_attention.common import bench
+    from dsv4_attention.common.reference import attention
+    from dsv4_attention.common.testing import errors, random_bshd
 
     q = random_bshd(batch, seqlen_q, heads, head_dim, torch.bfloat16, device)
     hk = heads if kv_heads is None else kv_heads
@@ -104,15 +108,45 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
     return e, ms, bench.tflops(flops(batch, seqlen_q, seqlen_k, heads, head_dim), ms)
 
 
+#: the trailing arguments of stage D1's kernel (after the stream), which later stages use:
+#: seqused_k (D3), window_left, window_right (D4), cu_seqlens_q, cu_seqlens_k, max_seqlen_q (D3
+#: varlen), learnable_sink (D5). Unused tensors go as None, unused integers as 0: the kernel
+#: compiles them out, and an exported C signature (common/kernel_cache.py) has no optional integers.
+MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+             "learnable_sink")
+
+
+def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+              learnable_sink=None):
+    """MASK_ARGS as kernel arguments."""
+    import cutlass
+
+    t = lambda x: None if x is None else jit.as_cute(x)  # noqa: E731
+    return [t(seqused_k), cutlass.Int32(0 if left is None else left), cutlass.Int32(0 if right is None else right),
+            t(cu_seqlens_q), t(cu_seqlens_k), cutlass.Int32(max_seqlen_q), t(learnable_sink)]
+
+
+def no_mask_args():
+    """The trailing kernel arguments of stage D1's kernel for a call without lengths or window."""
+    return mask_args()
+
+
 def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out, *,
-                             tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None)):
+                             tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
+                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                             learnable_sink=None):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
-    window bounds (D4: ``window`` = (left, right), already validated). An option that is not used
-    is not passed to the kernel, so each stage's kernel compiles only what the call needs."""
-    from common.pack_heads import pack_group
-    from common.validation import check_seqused_k
+    window bounds (D4: ``window`` = (left, right), already validated) and variable-length batches
+    (D3: ``cu_seqlens_q`` / ``cu_seqlens_k``, q, k, v [total, heads, head_dim], o like q, lse
+    [heads, total_q]) and the attention sink (D5: ``learnable_sink`` [heads] fp32). An option
+    that is not used is not passed to the kernel, so each stage's kernel compiles only what the
+    call needs."""
+    from dsv4_attention.common.pack_heads import pack_group
+    from dsv4_attention.common.validation import check_cu_seqlens, check_seqused_k, check_sink
+
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
 
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
@@ -127,18 +161,47 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         options["has_left"] = True
     if right is not None:
         options["has_right"] = True
+    if learnable_sink is not None:
+        options["has_sink"] = True
 
     def prepare(arch, q, k):
         if seqused_k is not None:
             check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
+        if learnable_sink is not None:
+            check_sink(learnable_sink, q.shape[2], q.device)
         m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
         return {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
 
-    def extra():
-        import cutlass
+    if not varlen:
+        return attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
+                                 options=options, options_for=prepare,
+                                 extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink))
+    # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
+    # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"with cu_seqlens, {name} must be [total_tokens, heads, head_dim]; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if seqused_k is not None:
+        raise ValueError("seqused_k with cu_seqlens_k is not supported: give each request's keys by cu_seqlens_k")
+    requests = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else 0
+    if out is not None:
+        check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    if lse_out is not None:
+        check_out("lse_out", lse_out, (q.shape[1], q.shape[0]), torch.float32, q.device)
+    max_q = [0]
 
-        return [None if seqused_k is None else jit.as_cute(seqused_k),
-                None if left is None else cutlass.Int32(left), None if right is None else cutlass.Int32(right)]
+    def prepare_varlen(arch, q4, k4):
+        max_q[0], _ = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device,
+                                       max_seqlen_q, max_seqlen_k)
+        if requests > MAX_GRID_YZ:
+            raise ValueError(f"at most {MAX_GRID_YZ} requests (grid z); got {requests}")
+        return {**prepare(arch, q4, k4), "varlen": True}
 
-    return attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
-                             options=options, options_for=prepare, extra_args=extra)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+    attention_forward(stage_id, kernels, head_dims, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale,
+                      o.unsqueeze(0), lse.unsqueeze(0), options=options, options_for=prepare_varlen,
+                      extra_args=lambda: mask_args(None, left, right, cu_seqlens_q, cu_seqlens_k, max_q[0],
+                                                   learnable_sink))
+    return o, lse

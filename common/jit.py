@@ -4,8 +4,9 @@ Kernels are compiled with dynamic shapes and strides (``mark_layout_dynamic``),
 so one compiled function serves every batch, seqlen and head count of a
 configuration. The configuration key is (kernel class, arch, dtype, head dim,
 compile-time options); compiled functions live in a per-process dict, and
-CuTeDSL's own file cache (on unless CUTE_DSL_DISABLE_FILE_CACHING is set)
-keeps the compiled binary across processes.
+across processes in the library's directory of exported kernels
+(common/kernel_cache.py: keyed by that configuration, the library's sources and
+the DSL version; a stale entry is never served).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 
 import torch
 
-from common.arch import GPU_ARCH
+from dsv4_attention.common.arch import GPU_ARCH
 
 _compiled: dict = {}
 _lock = threading.Lock()
@@ -82,8 +83,9 @@ def kernel_class(kernels: dict, arch: str):
 def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args, options: dict | None = None):
     """The compiled kernel of a stage for (arch, dtype, head dim, compile-time options),
     compiled on first use."""
+    from dsv4_attention.common import kernel_cache
+
     options = dict(options or {})
-    return cached(
-        (stage_id, arch, dtype, head_dim, tuple(sorted(options.items()))),
-        lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options), args, arch),
-    )
+    key = (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())))
+    build = lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options), args, arch)
+    return cached(key, lambda: kernel_cache.load_or_compile(key, build))

@@ -29,7 +29,7 @@ def trace(fn, *args, arch: str = "sm100"):
     """
     import cutlass.cute as cute
 
-    from common.arch import GPU_ARCH
+    from dsv4_attention.common.arch import GPU_ARCH
 
     box = {}
 

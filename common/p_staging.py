@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from common.sm90_gemm import NUM_MMA_WARPGROUPS, make_tiled_mma
+from dsv4_attention.common.sm90_gemm import NUM_MMA_WARPGROUPS, make_tiled_mma
 
 
 def make_pv_tiled_mma(

@@ -50,13 +50,15 @@ def visibility(seqlen_q: int, seqlen_k: int, seqused_k=None, window_size=(None, 
 
 
 def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, causal: bool = False,
-              window_size=(None, None)):
+              window_size=(None, None), learnable_sink=None):
     """Softmax attention with its log-sum-exp, float64.
 
     O[b, i, h, :] = sum_j softmax_j(S[b, h, i, :]) v[b, j, hk(h), :] and
     LSE[b, h, i] = log sum_j exp(S[b, h, i, j]) (natural log), over the visible keys
     (``visibility``; causal is window right = 0). A row with no visible key gives O = 0 and
-    LSE = -inf.
+    LSE = -inf. ``learnable_sink`` ([heads]: a logit in the denominator only, stage D5):
+    O[b, i, h] *= exp(LSE) / (exp(LSE) + exp(sink[h])) = sigmoid(LSE - sink[h]); LSE is returned
+    without the sink.
     """
     s = qk_scores(q, k, softmax_scale)
     left, right = window_size
@@ -68,4 +70,7 @@ def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, ca
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("bhij,bjhd->bihd", p, _expand_kv(v, q.shape[2]).to(torch.float64))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(device=q.device, dtype=torch.float64)
+        o = o * torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]
     return o, lse

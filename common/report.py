@@ -17,7 +17,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-SOURCE_DIRS = ("stages", "common")
+SOURCE_DIRS = ("dsv4_attention", "stages", "common")
 
 
 def sources(root: pathlib.Path = ROOT) -> dict:

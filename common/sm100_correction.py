@@ -52,3 +52,35 @@ def o_row_to_smem(tiled_o_load, tTR_tO, tTR_sO, tTR_rO, inv_row_sum: Float32, dt
         s_vec = cute.zipped_divide(cute.coalesce(tTR_sO[None, None, None, 0, c]), (O_VEC,))
         for g in cutlass.range_constexpr(cute.size(r_vec, mode=[1])):
             cute.copy(smem_store, r_vec[None, g], s_vec[None, g])
+
+
+@cute.jit
+def o_row_smem_to_gmem(tTR_sO: cute.Tensor, tTR_gO: cute.Tensor):
+    """This thread's row of the staged O tile (``tTR_sO``, as ``o_row_to_smem`` wrote it) -> global
+    memory (``tTR_gO``: the same partition of the tile's (128, o_cols) view of O), 16 bytes per
+    store. The store of a varlen Q tile that straddles its request's end, where a TMA box would
+    overwrite the next request's rows: only the threads of the request's rows call it. Each 16-byte
+    vector is 8 consecutive columns of one row, contiguous in both (the 128-byte swizzle moves
+    whole 16-byte units)."""
+    dtype = tTR_sO.element_type
+    copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=O_VEC * dtype.width)
+    for c in cutlass.range_constexpr(cute.size(tTR_sO, mode=[4])):
+        s_vec = cute.zipped_divide(cute.coalesce(tTR_sO[None, None, None, 0, c]), (O_VEC,))
+        g_vec = cute.zipped_divide(cute.coalesce(tTR_gO[None, None, None, 0, c]), (O_VEC,))
+        for v in cutlass.range_constexpr(cute.size(s_vec, mode=[1])):
+            cute.copy(copy_atom, s_vec[None, v], g_vec[None, v])
+
+
+def with_row_vectors(t: cute.Tensor, elems: int = O_VEC) -> cute.Tensor:
+    """``t`` with each dynamic stride declared a multiple of ``elems`` (unit strides kept), so that
+    ``elems`` consecutive elements of a row form one aligned vector: what ``o_row_smem_to_gmem``'s
+    16-byte stores need. True of every O the kernels take: TMA (their other O store) requires
+    16-byte-aligned strides and base, and the callers pass contiguous O with a head dim that is a
+    multiple of 64."""
+
+    def declared(stride):
+        if isinstance(stride, tuple):
+            return tuple(declared(s) for s in stride)
+        return stride if isinstance(stride, int) else cute.assume(stride, divby=elems)
+
+    return cute.make_tensor(t.iterator, cute.make_layout(t.layout.shape, stride=declared(t.layout.stride)))

@@ -23,8 +23,8 @@ import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from common.sm100_qk import qk_tile_tiler
-from common.tmem import PV_TILE_K, QK_TILE_M
+from dsv4_attention.common.sm100_qk import qk_tile_tiler
+from dsv4_attention.common.tmem import PV_TILE_K, QK_TILE_M
 
 #: keys per KV tile (= N of the QK MMA = K of the PV MMA)
 KV_TILE = PV_TILE_K

@@ -28,7 +28,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from common.tmem import QK_TILE_M, QK_TILE_N
+from dsv4_attention.common.tmem import QK_TILE_M, QK_TILE_N
 
 #: head-dim elements per k-block (pipeline stage): 128 bytes of 16-bit data, one SW128 atom
 K_BLOCK = 64

@@ -51,7 +51,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Int32
 from cutlass.cute.nvgpu import tcgen05
 
-from common.tmem import (
+from dsv4_attention.common.tmem import (
     ACC_DTYPE,
     MMA_INST_K,
     P_STORE_COLS,
@@ -146,7 +146,7 @@ def plan_for(head_dim: int, kv_shared: bool = False, elem_bytes: int = 2, smem_l
     KV tile plus one block; failing that, a whole tile. ``o_split`` defaults to 2 at head dim 512
     (O alone would fill TMEM) and 1 below. ``p_in_smem`` False (P in TMEM over S's upper half)
     needs a 128-key S; raises where there is none."""
-    from common.compile import SMEM_LIMIT
+    from dsv4_attention.common.compile import SMEM_LIMIT
 
     smem_limit = SMEM_LIMIT if smem_limit is None else smem_limit
     if head_dim % ATOM_K or not 64 <= head_dim <= 512:

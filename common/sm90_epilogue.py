@@ -20,8 +20,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from common.sm90_gemm import tile_tma_partition
-from common.softmax import acc_rows_view
+from dsv4_attention.common.sm90_gemm import tile_tma_partition
+from dsv4_attention.common.softmax import acc_rows_view
 
 
 @cute.jit
@@ -37,13 +37,20 @@ def store_o(
     is_store_warp: cutlass.Boolean,
     sO_mine: cute.Tensor | None = None,
     skip_cols=None,
+    gO_rows: cute.Tensor | None = None,
+    rows_left=None,
+    tidx=None,
 ):
     """acc_o (fp32, already normalized) -> sO (tile_m, head_dim, 1) -> tile m_block of
     gO (tile_m, head_dim, m_blocks).
     Every thread of the ``num_threads`` consumer threads calls it. ``sO_mine``: the part of
     sO this thread's PV partition covers (default: the whole tile; stage D1's split warpgroups
     each pass their O columns); ``skip_cols``: leave the view's first columns unwritten (a
-    runtime count: another warpgroup stores them)."""
+    runtime count: another warpgroup stores them). ``gO_rows`` (the tile's (tile_m, head_dim)
+    global memory), ``rows_left``, ``tidx`` (0 .. num_threads - 1): instead of the TMA store,
+    every thread copies its share of the rows < rows_left from sO (the Q tile that straddles the
+    end of its request in a variable-length batch, where the TMA box would write the next
+    request's rows)."""
     r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
     r_o.store(acc_o.load().to(sO.element_type))
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
@@ -59,7 +66,10 @@ def store_o(
             if cols[i][1] >= skip_cols:
                 tOsO[i] = r_o[i]
     cute.arch.fence_proxy("async.shared", space="cta")
-    if is_store_warp:
+    if cutlass.const_expr(gO_rows is not None):
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+        copy_rows(sO[None, None, 0], gO_rows, rows_left, tidx, num_threads)
+    elif is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
         # bulk groups are per thread: one lane issues, commits and waits
@@ -90,3 +100,19 @@ def store_lse(
             row = row_offset + rows_c[i, 0][0]
             if row < seqlen_q:
                 mLSE[batch, head, row] = lse[i]
+
+
+
+@cute.jit
+def copy_rows(src: cute.Tensor, dst: cute.Tensor, rows_left: cutlass.Int32, tidx: cutlass.Int32,
+              num_threads: cutlass.Constexpr[int]):
+    """dst[r, :] = src[r, :] for the rows r < rows_left of a (rows, cols) tile, the threads taking
+    8-column pieces in turn (row-major over the tile, so a warp's stores cover whole rows)."""
+    rows, cols = cute.size(src, mode=[0]), cute.size(src, mode=[1])
+    pieces = cols // 8
+    for idx in cutlass.range(tidx, rows * pieces, num_threads, unroll=1):
+        r = idx // pieces
+        if r < rows_left:
+            c = (idx % pieces) * 8
+            for j in cutlass.range_constexpr(8):
+                dst[r, c + j] = src[r, c + j]

@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from common.sm90_gemm import tile_tma_partition
+from dsv4_attention.common.sm90_gemm import tile_tma_partition
 
 CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 

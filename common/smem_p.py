@@ -37,8 +37,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from common.p_staging import convert_p_packed
-from common.sm90_gemm import make_tile_smem_layout
+from dsv4_attention.common.p_staging import convert_p_packed
+from dsv4_attention.common.sm90_gemm import make_tile_smem_layout
 
 P_KEYS_ALIGN = 64  # keys per 128-byte swizzled row of 16-bit P
 

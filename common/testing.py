@@ -11,12 +11,13 @@ NaN or Inf anywhere in the output makes every metric infinite: NaN never passes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
 import torch
 
-from common.arch import ARCHS, gpu_name, present_arch
+from dsv4_attention.common.arch import ARCHS, gpu_name, present_arch
 
 POISON = float("nan")
 
@@ -118,7 +119,7 @@ def attention_inputs(b, sq, sk, h, hk, d, dtype, *, kv_shared=False, magnitude=1
 
 
 #: forward options that change which keys a row sees; the reference takes them too
-MASK_OPTIONS = ("seqused_k", "causal", "window_size")
+MASK_OPTIONS = ("seqused_k", "causal", "window_size", "learnable_sink")
 
 
 def check_attention(forward, q, k, v, record, g, **case):
@@ -127,8 +128,8 @@ def check_attention(forward, q, k, v, record, g, **case):
     the failure message) with the errors; keyword options for ``forward`` go in ``case['options']``
     (the masking ones, MASK_OPTIONS, go to the reference too). Rows with no visible key must come
     back exactly O = 0 and LSE = -inf."""
-    from common.interface import same_memory
-    from common.reference import attention
+    from dsv4_attention.common.interface import same_memory
+    from dsv4_attention.common.reference import attention
 
     b, sq, h, _ = q.shape
     options = case.get("options", {})
@@ -157,6 +158,67 @@ def check_attention(forward, q, k, v, record, g, **case):
     assert empty_rows_zero, f"rows with no visible key must give O = 0: {msg}"
 
 
+def varlen_inputs(q_lens, k_lens, heads, kv_heads, head_dim, dtype, *, kv_shared=False, pad=0):
+    """A variable-length batch: q [total_q + pad, heads, d], k and v [total_k + pad, kv_heads, d]
+    (v is k when ``kv_shared``; ``pad`` rows past the last request, which nothing may touch),
+    cu_seqlens_q / cu_seqlens_k on the GPU, and the generator."""
+    g = fresh_generator()
+    dev = cuda_device()
+    total_q, total_k = sum(q_lens) + pad, sum(k_lens) + pad
+    q = random_bshd(1, total_q, heads, head_dim, dtype, dev, generator=g)[0]
+    k = random_bshd(1, total_k, kv_heads, head_dim, dtype, dev, generator=g)[0]
+    v = k if kv_shared else random_bshd(1, total_k, kv_heads, head_dim, dtype, dev, generator=g)[0]
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)  # noqa: E731
+    return q, k, v, cu(q_lens), cu(k_lens), g
+
+
+def check_varlen(forward, q, k, v, cu_q, cu_k, record, g, **case):
+    """Run ``forward`` on a variable-length batch into NaN-poisoned outputs and assert each
+    request's O and LSE against the float64 reference of that request alone (with the masks of
+    ``case['options']``), globally over every request's rows and row by row; rows with no
+    visible key exactly O = 0 and LSE = -inf; rows past the last request never written."""
+    from dsv4_attention.common.interface import same_memory
+    from dsv4_attention.common.reference import attention
+
+    options = case.get("options", {})
+    o = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device))
+    forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=o, lse_out=lse, **options)
+    torch.cuda.synchronize()
+    masks = {n: options[n] for n in MASK_OPTIONS if n in options}
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    outs, refs, lse_err, empty_ok = [], [], 0.0, True
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        o_ref, lse_ref = attention(q[None, qs], k[None, ks], v[None, ks], **masks)
+        outs.append(o[None, qs])
+        refs.append(o_ref)
+        got = lse[:, qs][None]
+        empty = torch.isneginf(lse_ref)
+        finite = ~empty
+        if not (bool(torch.isfinite(got[finite]).all()) and bool(torch.isneginf(got[empty]).all())):
+            lse_err = math.inf
+        elif finite.any():
+            lse_err = max(lse_err, (got.double()[finite] - lse_ref[finite]).abs().max().item())
+        empty_ok &= bool((o[None, qs].transpose(1, 2)[empty] == 0).all())
+    e = errors(torch.cat(outs, 1), torch.cat(refs, 1)) if outs else None
+    untouched = bool(o[cq[-1]:].isnan().all()) and bool(lse[:, cq[-1]:].isnan().all())
+    recorded = {n: (x.tolist() if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
+    case = dict(dtype=str(q.dtype), head_dim=q.shape[2], shape=list(q.shape), q_lens=[b - a for a, b in
+                zip(cq, cq[1:], strict=False)], k_lens=[b - a for a, b in zip(ck, ck[1:], strict=False)],
+                kv_shared=same_memory(k, v), lse_abs=lse_err, **{**case, "options": recorded})
+    msg = f"{case}: {e} lse_abs={lse_err:.2e} (seed {g.initial_seed()})"
+    if e is not None:
+        record(e, **case)
+        tol = O_REL[q.dtype]
+        assert e.within(tol, 3 * tol), msg
+    assert lse_err <= LSE_ABS, msg
+    assert empty_ok, f"rows with no visible key must give O = 0: {msg}"
+    assert untouched, f"rows past the last request were written: {msg}"
+
+
 def run_compute_sanitizer(tool: str, script: str, marker: str = "sanitized case ran"):
     """Run ``script`` (Python source that prints ``marker`` at its end) under compute-sanitizer's
     ``tool`` (memcheck, racecheck, synccheck, ...) from the repository root and assert it reports
@@ -169,7 +231,10 @@ def run_compute_sanitizer(tool: str, script: str, marker: str = "sanitized case 
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("compute-sanitizer is not installed on this machine")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import dsv4_attention
+
+    # the directory holding the package (the repository, or site-packages when installed)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dsv4_attention.__file__)))
     # --report-api-errors=no: torch and the driver probe entry points (cuGetProcAddress) and
     # get CUDA_ERROR_INVALID_VALUE by design; only the kernels' device-side errors count here
     cmd = [exe, f"--tool={tool}", "--report-api-errors=no", "--error-exitcode=3", sys.executable, "-c", script]

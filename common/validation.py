@@ -123,6 +123,69 @@ def check_seqused_k(seqused_k, batch: int, seqlen_k: int, device) -> None:
         raise ValueError(f"seqused_k values must lie in [0, seqlen_k = {seqlen_k}]; got min {lo}, max {hi}")
 
 
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, device, max_seqlen_q=None,
+                     max_seqlen_k=None) -> tuple[int, int]:
+    """Variable-length batches in FlashAttention's convention: [batch + 1] int32 offsets on the
+    inputs' device, starting at 0, non-decreasing, the last at most the packed tensor's length
+    (lengths of 0 are legal). Returns (max_seqlen_q, max_seqlen_k): the given ones, checked
+    against the offsets, or the offsets' (one device sync, before any launch; inside a CUDA graph
+    capture the values cannot be read, so the maxima must be given and are trusted)."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together: pass both (or neither)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name}.dtype must be int32; got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape [batch + 1] with batch >= 1; got {tuple(cu.shape)}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on {device} like q; got {cu.device}")
+        if cu.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous; got stride {cu.stride()}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [batch + 1]; got {tuple(cu_seqlens_q.shape)} "
+                         f"and {tuple(cu_seqlens_k.shape)}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"{name} must be an int >= 0 or None; got {m!r}")
+    if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("inside a CUDA graph capture pass max_seqlen_q and max_seqlen_k (the offsets cannot be "
+                             "read there)")
+        return max_seqlen_q, max_seqlen_k
+    found = []
+    for name, cu, total, given in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                   ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+        c = cu.cpu()
+        lengths = c[1:] - c[:-1]
+        if int(c[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0; got {int(c[0])}")
+        if bool((lengths < 0).any()):
+            raise ValueError(f"{name} must be non-decreasing; got {c.tolist()}")
+        if int(c[-1]) > total:
+            raise ValueError(f"{name}[-1] = {int(c[-1])} exceeds the packed tensor's {total} rows")
+        longest = int(lengths.max())
+        if given is not None and given < longest:
+            raise ValueError(f"max_seqlen_{name[-1]} = {given} is less than the longest request ({longest})")
+        found.append(longest if given is None else given)
+    return found[0], found[1]
+
+
+def check_sink(learnable_sink, heads: int, device) -> None:
+    """The attention sink: [heads] float32 on the inputs' device, contiguous."""
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise ValueError(f"learnable_sink must be a torch.Tensor or None; got {type(learnable_sink).__name__}")
+    if tuple(learnable_sink.shape) != (heads,):
+        raise ValueError(f"learnable_sink must have shape [heads] = ({heads},); got {tuple(learnable_sink.shape)}")
+    if learnable_sink.dtype != torch.float32:
+        raise ValueError(f"learnable_sink.dtype must be float32; got {learnable_sink.dtype}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on {device} like q; got {learnable_sink.device}")
+    if learnable_sink.stride(0) != 1 and heads > 1:
+        raise ValueError(f"learnable_sink must be contiguous; got stride {learnable_sink.stride()}")
+
+
 def check_window(causal, window_size) -> tuple:
     """(left, right) with None for an unbounded side; causal means right = 0. Bounds are
     non-negative ints: no sentinel (such as -1) stands for "no window"."""

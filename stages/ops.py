@@ -1,37 +1,46 @@
 """Every stage's ``forward`` as a torch custom op, so that ``torch.compile`` (fullgraph) traces
 through calls to it and CUDA graphs capture it.
 
-    import stages.ops                                    # registers the ops once
+    import dsv4_attention.stages.ops                                    # registers the ops once
     o, lse = torch.ops.dsv4_attention.d4_causal_window(q, k, v, causal=True, window_left=127)
     s = torch.ops.dsv4_attention.a_qk_gemm(q, k)
 
 One op per stage, named ``dsv4_attention::<id>_<name>``. The attention stages share one schema
 
     (q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None,
-     seqused_k=None, pack_gqa=None) -> (o, lse)
+     seqused_k=None, pack_gqa=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+     max_seqlen_k=None, learnable_sink=None) -> (o, lse)
 
 (a window is two optional ints, as a schema cannot hold a tuple with None); an argument a stage
 does not take must keep its default (ValueError otherwise, from the op as from ``forward``).
 Each op has a fake (meta) implementation that gives the outputs' shapes and dtypes without a GPU:
-o like q (contiguous), lse [batch, heads, seqlen_q] fp32; stage A's scores [batch, heads,
-seqlen_q, seqlen_k] fp32. The ops never alias or mutate their inputs. K = V is still detected
-from the tensors the op receives (the same tensor passed as k and v).
+o like q (contiguous), lse [batch, heads, seqlen_q] fp32 ([heads, total_q] for a variable-length
+batch, q [total_q, heads, d]); stage A's scores [batch, heads, seqlen_q, seqlen_k] fp32. The ops
+never alias or mutate their inputs. K = V is still detected from the tensors the op receives
+(the same tensor passed as k and v).
 """
 
 import inspect
 
 import torch
 
-import stages
+from dsv4_attention import stages
 
 NAMESPACE = "dsv4_attention"
 OPS: dict = {}
 
 
-def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa) -> dict:
+def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                  learnable_sink=None) -> dict:
     """The forward keyword arguments of ``stage`` for the op's arguments (those it takes)."""
     takes = inspect.signature(stage.forward).parameters
     given = {"softmax_scale": softmax_scale, "causal": causal, "seqused_k": seqused_k, "pack_gqa": pack_gqa}
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
+                        ("learnable_sink", learnable_sink)):
+        if value is not None:  # only passed when given: stages before D3 do not take them
+            given[name] = value
     if window_left is not None or window_right is not None:
         given["window_size"] = (window_left, window_right)
     kwargs = {}
@@ -51,17 +60,24 @@ def _register_attention(stage):
     @torch.library.custom_op(name, mutates_args=(), device_types="cuda")
     def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
            causal: bool = False, window_left: int | None = None, window_right: int | None = None,
-           seqused_k: torch.Tensor | None = None, pack_gqa: bool | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-        kwargs = _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa)
+           seqused_k: torch.Tensor | None = None, pack_gqa: bool | None = None,
+           cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+           max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+           learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs = _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
+                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, learnable_sink)
         o, lse = stage.forward(q, k, v, **kwargs)
         return o, lse
 
     @op.register_fake
     def _(q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None, seqused_k=None,
-          pack_gqa=None):
+          pack_gqa=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+          learnable_sink=None):
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if cu_seqlens_q is not None:  # varlen: q [total_q, heads, d], lse [heads, total_q]
+            return o, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         b, sq, h, _ = q.shape
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+        return o, q.new_empty((b, h, sq), dtype=torch.float32)
 
     return op
 

@@ -8,8 +8,11 @@ the controller aggregates the reports its workers send.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import pathlib
+import tempfile
 
 import pytest
 
@@ -32,6 +35,32 @@ def pytest_collection_modifyitems(config, items):
     # tagged at collection, so that tests skipped before their fixtures run keep their arch
     for item in items:
         item.user_properties.append(("arch", _arch_of(item)))
+
+
+_GPU_LOCK = os.path.join(tempfile.gettempdir(), f"dsv4_attention_gpu_tests_{os.getuid()}.lock")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_turns(request):
+    """GPU tests share the GPU (a shared lock across pytest-xdist workers); a ``big_memory`` test
+    (e.g. tensors past 2^31 elements) takes it alone (the exclusive lock), so that the workers'
+    concurrent tests cannot push it out of memory, nor it them. Each GPU test hands its cached
+    blocks back to the driver when it ends, so an idle worker holds only its context."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    exclusive = request.node.get_closest_marker("big_memory") is not None
+    with open(_GPU_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture

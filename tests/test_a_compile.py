@@ -8,8 +8,8 @@ TMEM within 512 columns on sm100 (read from what the kernel allocates).
 
 import pytest
 
-from common.compile import assert_within_budget
-from stages import a_qk_gemm as stage
+from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.stages import a_qk_gemm as stage
 
 pytestmark = [pytest.mark.stage_a, pytest.mark.compile]
 

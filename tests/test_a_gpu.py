@@ -14,10 +14,10 @@ S of 0.011 from terms summing to ~14 in magnitude, off by 2.4e-7).
 import pytest
 import torch
 
-from common import jit
-from common.reference import qk_scores
-from common.testing import cuda_device, errors, fresh_generator, gpu_arch_params, poison_, random_bshd
-from stages import a_qk_gemm as stage
+from dsv4_attention.common import jit
+from dsv4_attention.common.reference import qk_scores
+from dsv4_attention.common.testing import cuda_device, errors, fresh_generator, gpu_arch_params, poison_, random_bshd
+from dsv4_attention.stages import a_qk_gemm as stage
 
 pytestmark = [pytest.mark.stage_a]
 

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import tcgen05
 
-from common.tmem import (
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     QK_TILE_M,

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from common import jit
-from stages import a_qk_gemm as stage
+from dsv4_attention.common import jit
+from dsv4_attention.stages import a_qk_gemm as stage
 
 pytestmark = [pytest.mark.stage_a]
 

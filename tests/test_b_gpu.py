@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from common.reference import attention
-from common.testing import cuda_device, errors, fresh_generator, gpu_arch_params, poison_, random_bshd
-from stages import b_p_onchip as stage
+from dsv4_attention.common.reference import attention
+from dsv4_attention.common.testing import cuda_device, errors, fresh_generator, gpu_arch_params, poison_, random_bshd
+from dsv4_attention.stages import b_p_onchip as stage
 
 pytestmark = [pytest.mark.stage_b]
 

@@ -40,8 +40,8 @@ import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import tcgen05
 
-from common.layout_proof import trace
-from common.tmem import (
+from dsv4_attention.common.layout_proof import trace
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     O_TMEM_COL,
@@ -568,8 +568,8 @@ def _resolve(ptx: str):
 def test_ptx_reads_and_writes_p_at_the_region_columns(tmp_path):
     import torch
 
-    from common import jit
-    from stages import b_p_onchip as stage
+    from dsv4_attention.common import jit
+    from dsv4_attention.stages import b_p_onchip as stage
 
     head_dim = 64
     args = stage.example_args(torch.bfloat16, head_dim)

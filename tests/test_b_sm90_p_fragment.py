@@ -42,9 +42,9 @@ import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import warpgroup
 
-from common.layout_proof import as_ints, first_mismatches, offset_of, trace
-from common.p_staging import acc_to_a_layout, make_pv_tiled_mma
-from common.sm90_gemm import (
+from dsv4_attention.common.layout_proof import as_ints, first_mismatches, offset_of, trace
+from dsv4_attention.common.p_staging import acc_to_a_layout, make_pv_tiled_mma
+from dsv4_attention.common.sm90_gemm import (
     NUM_THREADS,
     TILE_K,
     TILE_M,
@@ -54,7 +54,7 @@ from common.sm90_gemm import (
     make_tiled_mma,
     num_k_blocks,
 )
-from common.softmax import QUAD, acc_rows_layout
+from dsv4_attention.common.softmax import QUAD, acc_rows_layout
 
 pytestmark = [pytest.mark.stage_b, pytest.mark.proof, pytest.mark.arch("sm90")]
 

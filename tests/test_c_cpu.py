@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from common.compile import assert_within_budget
-from stages import c_online_softmax as stage
+from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.stages import c_online_softmax as stage
 
 pytestmark = [pytest.mark.stage_c]
 

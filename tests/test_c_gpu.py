@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from common.testing import (
+from dsv4_attention.common.testing import (
     attention_inputs,
     check_attention,
     gpu_arch_params,
     run_compute_sanitizer,
 )
-from stages import c_online_softmax as stage
+from dsv4_attention.stages import c_online_softmax as stage
 
 pytestmark = [pytest.mark.stage_c]
 
@@ -80,7 +80,7 @@ def test_bitwise_repeatable(arch):
 
 SANITIZER_CASE = """
 import torch
-from stages import c_online_softmax as stage
+from dsv4_attention.stages import c_online_softmax as stage
 q = torch.randn(1, 200, 2, 64, device="cuda").bfloat16()
 k = torch.randn(1, 300, 1, 64, device="cuda").bfloat16()
 o, lse = stage.forward(q, k, k.clone())

@@ -39,8 +39,8 @@ import pytest
 from cutlass.cute.nvgpu import tcgen05
 from test_b_sm100_tmem_p import _Cells, _Coords, _resolve, gather_p_reads, gather_p_writes, tmem_p_failures
 
-from common.layout_proof import trace
-from common.tmem import (
+from dsv4_attention.common.layout_proof import trace
+from dsv4_attention.common.tmem import (
     ACC_DTYPE,
     EPI_COLS,
     EPI_THREADS,
@@ -388,8 +388,8 @@ def _allocated_base(ptx: str) -> str:
 def test_ptx_tmem_operands_at_the_map_columns(tmp_path, head_dim):
     import torch
 
-    from common import jit
-    from stages import c_online_softmax as stage
+    from dsv4_attention.common import jit
+    from dsv4_attention.stages import c_online_softmax as stage
 
     kernel = stage.make_kernel("sm100", torch.bfloat16, head_dim)
     fn = jit.compile_kernel(kernel, stage.example_args(torch.bfloat16, head_dim), "sm100",
@@ -448,7 +448,7 @@ def _online_model(q, k, v, scale_log2, rescale_o=True, warp=32, tile_n=128):
 
     import torch
 
-    from common.sm100_softmax import RESCALE_THRESHOLD
+    from dsv4_attention.common.sm100_softmax import RESCALE_THRESHOLD
 
     s = q.float() @ k.float().T  # the QK MMA: 16-bit inputs, fp32 accumulator
     rows, n_keys = s.shape

@@ -36,18 +36,18 @@ import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import warpgroup
 
-from common.layout_proof import as_ints, first_mismatches, offset_of, trace
-from common.mask import key_limit, num_kv_tiles
-from common.p_staging import acc_to_a_layout, make_pv_tiled_mma
-from common.sm90_gemm import (
+from dsv4_attention.common.layout_proof import as_ints, first_mismatches, offset_of, trace
+from dsv4_attention.common.mask import key_limit, num_kv_tiles
+from dsv4_attention.common.p_staging import acc_to_a_layout, make_pv_tiled_mma
+from dsv4_attention.common.sm90_gemm import (
     THREADS_PER_WARPGROUP,
     WGMMA_M,
     make_tile_smem_layout,
     make_tile_smem_layout_mn,
     make_tiled_mma,
 )
-from common.softmax import QUAD, acc_rows_layout
-from stages.c_online_softmax.sm90 import DEFAULT_TILES, REGISTERS
+from dsv4_attention.common.softmax import QUAD, acc_rows_layout
+from dsv4_attention.stages.c_online_softmax.sm90 import DEFAULT_TILES, REGISTERS
 
 pytestmark = [pytest.mark.stage_c, pytest.mark.proof, pytest.mark.arch("sm90")]
 

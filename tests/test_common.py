@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from common import report
-from common.layout_proof import swizzle_bytes
-from common.testing import errors, poison_
+from dsv4_attention.common import report
+from dsv4_attention.common.layout_proof import swizzle_bytes
+from dsv4_attention.common.testing import errors, poison_
 
 pytestmark = [pytest.mark.stage_a]
 
@@ -92,7 +92,7 @@ def test_target_arch_overrides_the_gpu_arch_and_restores_it():
     script = """
 from cutlass.base_dsl.common import DSLUserCodeError
 from cutlass.cute.nvgpu import tcgen05
-from common.arch import target_arch
+from dsv4_attention.common.arch import target_arch
 with target_arch("sm100"):
     tcgen05.Ld16x256bOp(tcgen05.Repetition(4))
 try:

@@ -5,8 +5,8 @@ validation. (The SM100 kernel's budgets are in tests/test_d1_sm100_host.py.)"""
 import pytest
 import torch
 
-from common.compile import assert_within_budget
-from stages import d1_smem_p as stage
+from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.stages import d1_smem_p as stage
 
 pytestmark = [pytest.mark.stage_d1]
 
@@ -26,7 +26,7 @@ def test_sm90_compiles_within_budget(dtype, head_dim, options):
 
 
 def test_same_memory_selects_k_eq_v():
-    from common.interface import same_memory
+    from dsv4_attention.common.interface import same_memory
 
     kv = torch.randn(1, 10, 2, 64)
     assert same_memory(kv, kv) and same_memory(kv[:, :, :1], kv[:, :, :1])

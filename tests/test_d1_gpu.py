@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from common.testing import (
+from dsv4_attention.common.testing import (
     attention_inputs,
     check_attention,
     cuda_device,
@@ -21,7 +21,7 @@ from common.testing import (
     random_bshd,
     run_compute_sanitizer,
 )
-from stages import d1_smem_p as stage
+from dsv4_attention.stages import d1_smem_p as stage
 
 pytestmark = [pytest.mark.stage_d1]
 
@@ -112,7 +112,7 @@ def test_bitwise_repeatable(arch):
 
 SANITIZER_CASE = """
 import torch
-from stages import d1_smem_p as stage
+from dsv4_attention.stages import d1_smem_p as stage
 q = torch.randn(1, 100, 2, 512, device="cuda").bfloat16()
 kv = torch.randn(1, 200, 1, 512, device="cuda").bfloat16()
 stage.forward(q, kv, kv)                       # split warpgroups, SMEM-P, K = V chunked ring

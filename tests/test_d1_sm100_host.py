@@ -39,7 +39,7 @@ import cutlass.cute as cute
 import pytest
 from test_b_sm100_tmem_p import _Coords
 
-from common.layout_proof import (
+from dsv4_attention.common.layout_proof import (
     as_ints,
     first_mismatches,
     min_smem_wavefronts,
@@ -48,7 +48,7 @@ from common.layout_proof import (
     swizzle_bytes,
     trace,
 )
-from common.sm100_smem_p import (
+from dsv4_attention.common.sm100_smem_p import (
     P_VEC,
     KvBlockRing,
     SmemPTmemMap,
@@ -64,7 +64,7 @@ from common.sm100_smem_p import (
     qk_subtile_schedule,
     umma_kmajor_sw128_address,
 )
-from common.tmem import (
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     QK_TILE_M,
@@ -123,7 +123,7 @@ def test_plan_matches_the_docstring_table(head_dim, p_in_smem):
 
 
 def test_p_in_tmem_only_where_a_128_key_s_fits():
-    from stages.d1_smem_p.sm100 import FlashAttentionD1Sm100
+    from dsv4_attention.stages.d1_smem_p.sm100 import FlashAttentionD1Sm100
 
     for head_dim in (448, 512):
         with pytest.raises(ValueError, match="P in TMEM"):
@@ -255,7 +255,7 @@ def p_store_and_read(dtype, head_dim: int):
     from cutlass.cute.nvgpu.tcgen05.helpers import smem_descriptor_to_int
     from cutlass.cute.runtime import from_dlpack
 
-    from common.arch import GPU_ARCH
+    from dsv4_attention.common.arch import GPU_ARCH
 
     plan = plan_for(head_dim)
     box = {}
@@ -603,7 +603,7 @@ def kv_views(head_dim, v_major_k=False):
     convention (checked at sample points). ``v_major_k``: V read K-major (negative control)."""
     from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
-    from common.tmem import ACC_DTYPE, MMA_INST_K
+    from dsv4_attention.common.tmem import ACC_DTYPE, MMA_INST_K
 
     plan = plan_for(head_dim, kv_shared=True)
 
@@ -671,8 +671,8 @@ def test_ptx_fences_and_one_copy_of_each_loop(tmp_path, head_dim, p_in_smem):
     descriptors (SS) or from TMEM (TS) as configured."""
     import torch
 
-    from common import jit
-    from stages import d1_smem_p as stage
+    from dsv4_attention.common import jit
+    from dsv4_attention.stages import d1_smem_p as stage
 
     kernel = stage.make_kernel("sm100", torch.bfloat16, head_dim, kv_shared=True, p_in_smem=p_in_smem)
     fn = jit.compile_kernel(kernel, stage.example_args(torch.bfloat16, head_dim, kv_shared=True), "sm100",
@@ -721,8 +721,8 @@ COMPILE_CASES = (
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype_name,head_dim,options", COMPILE_CASES, ids=str)
 def test_compiles_within_budget(dtype_name, head_dim, options):
-    from common.compile import assert_within_budget
-    from common.sm100_smem_p import default_p_in_smem
+    from dsv4_attention.common.compile import assert_within_budget
+    from dsv4_attention.common.sm100_smem_p import default_p_in_smem
 
     # no spills at any head dim (measured: 0 bytes at 64..512, bf16 and fp16, every variant), so the
     # bound is 0 throughout, 512 included

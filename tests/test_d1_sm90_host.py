@@ -32,10 +32,17 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 
-from common.compile import SMEM_LIMIT
-from common.layout_proof import as_ints, min_smem_wavefronts, offset_of, smem_wavefronts, swizzle_bytes, trace
-from common.sm90_gemm import THREADS_PER_WARPGROUP
-from stages.d1_smem_p.sm90 import SUPPORTED_HEAD_DIMS, FlashAttentionD1Sm90, split_columns
+from dsv4_attention.common.compile import SMEM_LIMIT
+from dsv4_attention.common.layout_proof import (
+    as_ints,
+    min_smem_wavefronts,
+    offset_of,
+    smem_wavefronts,
+    swizzle_bytes,
+    trace,
+)
+from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
+from dsv4_attention.stages.d1_smem_p.sm90 import SUPPORTED_HEAD_DIMS, FlashAttentionD1Sm90, split_columns
 
 pytestmark = [pytest.mark.stage_d1, pytest.mark.proof, pytest.mark.arch("sm90")]
 

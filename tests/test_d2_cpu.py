@@ -5,8 +5,8 @@ rows, and input validation of ``pack_gqa``."""
 import pytest
 import torch
 
-from common.compile import assert_within_budget
-from stages import d2_pack_heads as stage
+from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.stages import d2_pack_heads as stage
 
 pytestmark = [pytest.mark.stage_d2]
 

@@ -9,10 +9,10 @@ row counts that are not a tile multiple; K = V and not; bf16 and fp16.
 import pytest
 import torch
 
-from common import jit
-from common.pack_heads import packable
-from common.testing import attention_inputs, check_attention, gpu_arch_params, run_compute_sanitizer
-from stages import d2_pack_heads as stage
+from dsv4_attention.common import jit
+from dsv4_attention.common.pack_heads import packable
+from dsv4_attention.common.testing import attention_inputs, check_attention, gpu_arch_params, run_compute_sanitizer
+from dsv4_attention.stages import d2_pack_heads as stage
 
 pytestmark = [pytest.mark.stage_d2]
 
@@ -77,7 +77,7 @@ def test_bitwise_repeatable(arch):
 
 SANITIZER_CASE = """
 import torch
-from stages import d2_pack_heads as stage
+from dsv4_attention.stages import d2_pack_heads as stage
 q = torch.randn(2, 3, 128, 512, device="cuda").bfloat16()
 kv = torch.randn(2, 200, 1, 512, device="cuda").bfloat16()
 stage.forward(q, kv, kv)                                   # 128 heads of one token: two 64-row tiles

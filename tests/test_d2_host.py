@@ -11,8 +11,8 @@ KV-head stride by g must both be rejected by the same checker.
 
 import pytest
 
-from common.layout_proof import first_mismatches, trace
-from common.pack_heads import pack_group, packable, packed_row
+from dsv4_attention.common.layout_proof import first_mismatches, trace
+from dsv4_attention.common.pack_heads import pack_group, packable, packed_row
 
 pytestmark = [pytest.mark.stage_d2, pytest.mark.proof]
 
@@ -29,9 +29,9 @@ def kernel_for(arch, head_dim, group):
     import cutlass
 
     if arch == "sm90":
-        from stages.d2_pack_heads.sm90 import FlashAttentionD2Sm90 as K
+        from dsv4_attention.stages.d2_pack_heads.sm90 import FlashAttentionD2Sm90 as K
     else:
-        from stages.d2_pack_heads.sm100 import FlashAttentionD2Sm100 as K
+        from dsv4_attention.stages.d2_pack_heads.sm100 import FlashAttentionD2Sm100 as K
     return K(cutlass.BFloat16, head_dim, kv_shared=True, pack_group=group)
 
 
@@ -41,7 +41,7 @@ def folded_offsets(arch, head_dim, group, fold=None):
     import cutlass
     import cutlass.cute as cute
 
-    from common.layouts import reorder, seq_major
+    from dsv4_attention.common.layouts import reorder, seq_major
 
     kernel = kernel_for(arch, head_dim, group)
     tile_m = kernel.tile_m

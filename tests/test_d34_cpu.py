@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from common import kv_span
-from common.compile import assert_within_budget
-from common.reference import visibility
-from common.validation import check_seqused_k, check_window
-from stages import d3_lengths, d4_causal_window
+from dsv4_attention.common import kv_span
+from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.common.reference import visibility
+from dsv4_attention.common.validation import check_cu_seqlens, check_seqused_k, check_window
+from dsv4_attention.stages import d3_lengths, d4_causal_window
 
 CASES = [
     ("d3", 512, {"kv_shared": True, "pack_group": 128, "seqused_k": True}),
@@ -22,6 +22,12 @@ CASES = [
     ("d4", 128, {"kv_shared": False, "has_right": True}),
     ("d4", 64, {"kv_shared": False, "has_right": True}),
     ("d4", 384, {"kv_shared": False, "has_left": True, "has_right": True}),
+    # variable-length batches (cu_seqlens): request offsets and the row-by-row O store of a straddling tile
+    ("d3", 512, {"kv_shared": True, "pack_group": 128, "varlen": True}),
+    ("d3", 128, {"kv_shared": False, "pack_group": 8, "varlen": True}),
+    ("d3", 384, {"kv_shared": False, "varlen": True}),
+    ("d4", 512, {"kv_shared": True, "pack_group": 64, "varlen": True, "has_left": True, "has_right": True}),
+    ("d4", 64, {"kv_shared": False, "varlen": True, "has_right": True}),
 ]
 
 
@@ -126,3 +132,31 @@ def test_visibility_formula_matches_reference_mask_and_flops():
         mine = torch.tensor([[kv_span.visible(i, j, sq, sk, left, right) for j in range(sk)] for i in range(sq)])
         assert torch.equal(ref, mine)
         assert d4_causal_window.visible_pairs(sq, sk, causal, window) == int(mine.sum())
+
+
+def i32(*x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+@pytest.mark.stage_d3
+@pytest.mark.parametrize("cu_q, cu_k, kwargs, match", [
+    (i32(0, 3, 7), None, {}, "go together"),
+    (i32(0, 4, 3), i32(0, 5, 11), {}, "non-decreasing"),
+    (i32(1, 3, 7), i32(0, 5, 11), {}, r"\[0\] must be 0"),
+    (i32(0, 3, 8), i32(0, 5, 11), {}, "exceeds"),
+    (i32(0, 3, 7).long(), i32(0, 5, 11), {}, "int32"),
+    (i32(0, 7), i32(0, 5, 11), {}, "both be"),
+    (i32(0), i32(0), {}, "batch >= 1"),
+    (i32(0, 3, 7), i32(0, 5, 11), {"max_seqlen_q": 3}, "less than the longest"),
+    (i32(0, 3, 7), i32(0, 5, 11), {"max_seqlen_k": -1}, "int >= 0"),
+    ([0, 3, 7], i32(0, 5, 11), {}, "torch.Tensor"),
+])
+def test_cu_seqlens_checks(cu_q, cu_k, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        check_cu_seqlens(cu_q, cu_k, 7, 11, torch.device("cpu"), **kwargs)
+
+
+@pytest.mark.stage_d3
+def test_cu_seqlens_maxima():
+    assert check_cu_seqlens(i32(0, 3, 3, 7), i32(0, 0, 5, 11), 7, 12, torch.device("cpu")) == (4, 6)
+    assert check_cu_seqlens(i32(0, 3, 3, 7), i32(0, 0, 5, 11), 7, 12, torch.device("cpu"), 9, 6) == (9, 6)

@@ -38,12 +38,12 @@ import pytest
 import torch
 from cutlass import Float32, Int32
 
-from common import kv_span
-from common.kv_span import KvSpan, tile_needs_mask, tile_tokens
-from common.layout_proof import first_mismatches
-from common.sm100_softmax import visible_columns, visible_keys
-from common.tmem import EPI_THREADS, QK_TILE_M
-from stages.d4_causal_window.sm100 import FlashAttentionD4Sm100
+from dsv4_attention.common import kv_span
+from dsv4_attention.common.kv_span import KvSpan, tile_needs_mask, tile_tokens
+from dsv4_attention.common.layout_proof import first_mismatches
+from dsv4_attention.common.sm100_softmax import visible_columns, visible_keys
+from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
+from dsv4_attention.stages.d4_causal_window.sm100 import FlashAttentionD4Sm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.proof]
 
@@ -58,8 +58,8 @@ MAX_VISITS = 16
 
 def make_kernel(stage: str, head_dim: int, cls=None, **options):
     """The stage's sm100 kernel object (or ``cls``, a variant of it, built with the same options)."""
-    import stages
-    from common import jit
+    from dsv4_attention import stages
+    from dsv4_attention.common import jit
 
     if cls is None:
         return stages.get(stage).module.make_kernel("sm100", torch.bfloat16, head_dim, **options)
@@ -71,8 +71,8 @@ def build_mask_runner(kernel):
     of one Q tile for all 128 threads, with the kernel's own builders and methods."""
     from cutlass.cute.runtime import from_dlpack
 
-    from common.arch import GPU_ARCH, target_arch
-    from common.tmem import placeholder_tmem_base
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.tmem import placeholder_tmem_base
 
     tile_n = kernel.plan.tile_n
 
@@ -316,10 +316,10 @@ def tma_box_starts(head_dim: int, origin: int, cls=FlashAttentionD4Sm100, tiles:
     modes contiguous first: (column, key, kv head, batch)."""
     from cutlass.cute.nvgpu import cpasync, tcgen05
 
-    from common.layout_proof import as_ints, trace
-    from common.layouts import reorder
-    from common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
-    from stages.d1_smem_p.sm100 import V_AS_PV_B
+    from dsv4_attention.common.layout_proof import as_ints, trace
+    from dsv4_attention.common.layouts import reorder
+    from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
+    from dsv4_attention.stages.d1_smem_p.sm100 import V_AS_PV_B
 
     kernel = make_kernel("d4", head_dim, cls=cls, kv_shared=False, has_left=True, has_right=True)
     plan = kernel.plan
@@ -501,6 +501,6 @@ COMPILE_CASES = [
     pytest.param(s, d, o, id=f"{s}-hd{d}-{o}", marks=_stage_mark(s)) for s, d, o in COMPILE_CASES
 ])  # fmt: skip
 def test_compiles_within_budget(stage_id, head_dim, options):
-    from common.compile import assert_within_budget
+    from dsv4_attention.common.compile import assert_within_budget
 
     assert_within_budget(stage_id, "sm100", "bfloat16", head_dim, min_tmem_columns=128, options=options)

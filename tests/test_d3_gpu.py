@@ -1,12 +1,21 @@
-"""Stage D3 on a GPU: per-request key counts (seqused_k), against the float64 reference with the
-same keys masked. Stage B's bounds, NaN-poisoned outputs, fresh random inputs and lengths; rows
-of a request with no key must come back O = 0 and LSE = -inf exactly."""
+"""Stage D3 on a GPU: per-request key counts (seqused_k) and variable-length batches (cu_seqlens),
+against the float64 reference with the same keys masked (varlen: each request's own reference).
+Stage B's bounds, NaN-poisoned outputs, fresh random inputs and lengths; rows of a request with
+no key must come back O = 0 and LSE = -inf exactly; rows past the last request never written."""
 
 import pytest
 import torch
 
-from common.testing import attention_inputs, check_attention, fresh_generator, gpu_arch_params, run_compute_sanitizer
-from stages import d3_lengths as stage
+from dsv4_attention.common.testing import (
+    attention_inputs,
+    check_attention,
+    check_varlen,
+    fresh_generator,
+    gpu_arch_params,
+    run_compute_sanitizer,
+    varlen_inputs,
+)
+from dsv4_attention.stages import d3_lengths as stage
 
 pytestmark = [pytest.mark.stage_d3]
 
@@ -51,7 +60,7 @@ def test_decode_mqa_128_heads(arch, seqlen_k, record_errors):
 @pytest.mark.parametrize("arch", gpu_arch_params())
 def test_full_lengths_equal_no_lengths(arch):
     """seqused_k = seqlen_k everywhere gives stage D2's bits."""
-    from stages import d2_pack_heads
+    from dsv4_attention.stages import d2_pack_heads
 
     q, k, v, _ = attention_inputs(2, 100, 777, 16, 2, 256, torch.bfloat16)
     o1, l1 = stage.forward(q, k, v, seqused_k=torch.full((2,), 777, dtype=torch.int32, device="cuda"))
@@ -80,15 +89,97 @@ def test_bitwise_repeatable(arch):
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
+def uneven_lengths(g, n, longest_q=300, longest_k=700):
+    """n requests' (q_lens, k_lens): random, with a request of no query, one of no key and one of
+    both longer than a 128-row tile among them when n allows."""
+    q_lens = torch.randint(0, longest_q + 1, (n,), generator=g).tolist()
+    k_lens = torch.randint(0, longest_k + 1, (n,), generator=g).tolist()
+    if n >= 3:
+        q_lens[0], k_lens[1], q_lens[2], k_lens[2] = 0, 0, longest_q, longest_k
+    return q_lens, k_lens
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 384, 512])
+@pytest.mark.parametrize("group", [1, 8, 64])
+@pytest.mark.parametrize("requests", [1, 3, 16])
+def test_varlen_batches(arch, head_dim, group, requests, record_errors):
+    """1-16 requests of uneven lengths (0 among them), query and key lengths independent; heads
+    packed (group 8, 64) and not (1); K = V at head dim 512."""
+    q_lens, k_lens = uneven_lengths(fresh_generator(), requests)
+    q, k, v, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, 2 * group, 2, head_dim, torch.bfloat16,
+                                           kv_shared=head_dim == 512, pad=5)
+    check_varlen(stage.forward, q, k, v, cu_q, cu_k, record_errors, g, arch=arch)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_decode_mqa_128_heads(arch, dtype, record_errors):
+    """DeepSeek-V4's decode as a variable-length batch: 1-2 tokens x 128 heads per request, K = V."""
+    q_lens = [1, 2, 2, 1, 2, 1, 2, 2]
+    k_lens = [1, 64, 65, 500, 0, 129, 2000, 3]
+    q, k, v, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, 128, 1, 512, dtype, kv_shared=True)
+    check_varlen(stage.forward, q, k, v, cu_q, cu_k, record_errors, g, arch=arch)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_varlen_equals_padded_batch(arch):
+    """Requests of equal length as a varlen batch give the batched call's bits."""
+    q, k, v, _ = attention_inputs(3, 100, 333, 16, 2, 128, torch.bfloat16)
+    o1, l1 = stage.forward(q, k, v)
+    cu_q = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 333, 666, 999], dtype=torch.int32, device="cuda")
+    o2, l2 = stage.forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert torch.equal(o1.flatten(0, 1), o2)
+    assert torch.equal(l1.transpose(0, 1).flatten(1, 2), l2)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_varlen_bitwise_repeatable(arch):
+    q, k, v, cu_q, cu_k, _ = varlen_inputs([5, 300, 0, 77], [700, 1, 300, 0], 64, 1, 512, torch.bfloat16,
+                                           kv_shared=True)
+    o1, l1 = stage.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    o2, l2 = stage.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_bad_cu_seqlens_are_refused_before_launch(arch):
+    q, k, v, cu_q, cu_k, _ = varlen_inputs([3, 4], [5, 6], 2, 1, 128, torch.bfloat16)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    for kwargs, match in [
+        ({"cu_seqlens_q": cu_q}, "go together"),
+        ({"cu_seqlens_q": i32(0, 4, 3), "cu_seqlens_k": cu_k}, "non-decreasing"),
+        ({"cu_seqlens_q": i32(1, 3, 7), "cu_seqlens_k": cu_k}, r"\[0\] must be 0"),
+        ({"cu_seqlens_q": i32(0, 3, 8), "cu_seqlens_k": cu_k}, "exceeds"),
+        ({"cu_seqlens_q": cu_q.long(), "cu_seqlens_k": cu_k}, "int32"),
+        ({"cu_seqlens_q": cu_q.cpu(), "cu_seqlens_k": cu_k}, "must be on"),
+        ({"cu_seqlens_q": i32(0, 7), "cu_seqlens_k": cu_k}, "both be"),
+        ({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 3}, "less than the longest"),
+        ({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_k": i32(1, 1)}, "not supported"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            stage.forward(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="total_tokens"):
+        stage.forward(q[None], k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 SANITIZER_CASE = """
 import torch
-from stages import d3_lengths as stage
+from dsv4_attention.stages import d3_lengths as stage
 q = torch.randn(3, 3, 128, 512, device="cuda").bfloat16()
 kv = torch.randn(3, 300, 1, 512, device="cuda").bfloat16()
 stage.forward(q, kv, kv, seqused_k=torch.tensor([0, 77, 300], dtype=torch.int32, device="cuda"))
 q8 = torch.randn(2, 77, 16, 128, device="cuda").bfloat16()
 k8 = torch.randn(2, 150, 2, 128, device="cuda").bfloat16()
 stage.forward(q8, k8, k8.clone(), seqused_k=torch.tensor([1, 150], dtype=torch.int32, device="cuda"))
+cu = lambda *x: torch.tensor(x, dtype=torch.int32, device="cuda")
+qv = torch.randn(380, 128, 512, device="cuda").bfloat16()
+kvv = torch.randn(900, 1, 512, device="cuda").bfloat16()
+stage.forward(qv, kvv, kvv, cu_seqlens_q=cu(0, 2, 2, 379), cu_seqlens_k=cu(0, 300, 301, 900))
+qg = torch.randn(300, 16, 128, device="cuda").bfloat16()
+kg = torch.randn(500, 2, 128, device="cuda").bfloat16()
+stage.forward(qg, kg, kg.clone(), cu_seqlens_q=cu(0, 130, 130, 299), cu_seqlens_k=cu(0, 0, 250, 500))
 torch.cuda.synchronize()
 print("sanitized case ran")
 """

@@ -6,8 +6,16 @@ packed and not; rows that see no key must return O = 0 and LSE = -inf exactly.""
 import pytest
 import torch
 
-from common.testing import attention_inputs, check_attention, gpu_arch_params, run_compute_sanitizer
-from stages import d4_causal_window as stage
+from dsv4_attention.common.testing import (
+    attention_inputs,
+    check_attention,
+    check_varlen,
+    fresh_generator,
+    gpu_arch_params,
+    run_compute_sanitizer,
+    varlen_inputs,
+)
+from dsv4_attention.stages import d4_causal_window as stage
 
 pytestmark = [pytest.mark.stage_d4]
 
@@ -25,6 +33,32 @@ def test_windows(arch, window, seqlens, head_dim, pack_gqa, record_errors):
     q, k, v, g = attention_inputs(2, sq, sk, 8, 1, head_dim, torch.bfloat16, kv_shared=head_dim == 512)
     check_attention(stage.forward, q, k, v, record_errors, g, arch=arch,
                     options={"window_size": window, "pack_gqa": pack_gqa})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("window", [(None, 0), (127, 0), (5, 3), (0, None)], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
+@pytest.mark.parametrize("group", [1, 16])
+def test_varlen_windows(arch, window, head_dim, group, record_errors):
+    """Variable-length batches under causal / window masks, aligned per request (bottom-right:
+    each request's own seqlen_k - seqlen_q), with requests of fewer, as many and more queries than
+    keys, and empty ones."""
+    g0 = fresh_generator()
+    q_lens = [0, 200, 500, 77, 130] + torch.randint(1, 300, (3,), generator=g0).tolist()
+    k_lens = [50, 700, 500, 0, 20] + torch.randint(1, 300, (3,), generator=g0).tolist()
+    q, k, v, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, group, 1, head_dim, torch.bfloat16,
+                                           kv_shared=head_dim == 512, pad=3)
+    check_varlen(stage.forward, q, k, v, cu_q, cu_k, record_errors, g, arch=arch, options={"window_size": window})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_varlen_deepseek_window_branch(arch, record_errors):
+    """DeepSeek-V4's window branch over a variable-length prefill batch: 128 heads on one K = V
+    head, hd 512, causal window (127, 0)."""
+    q, k, v, cu_q, cu_k, g = varlen_inputs([300, 1, 129, 64], [300, 1, 129, 400], 128, 1, 512, torch.bfloat16,
+                                           kv_shared=True)
+    check_varlen(stage.forward, q, k, v, cu_q, cu_k, record_errors, g, arch=arch,
+                 options={"causal": True, "window_size": (127, 0)})
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
@@ -54,7 +88,7 @@ def test_causal_long_sequences(arch, window, record_errors):
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
 def test_no_window_equals_stage_d3(arch):
-    from stages import d3_lengths
+    from dsv4_attention.stages import d3_lengths
 
     q, k, v, _ = attention_inputs(2, 100, 777, 16, 2, 128, torch.bfloat16)
     o1, l1 = stage.forward(q, k, v, window_size=(None, None))
@@ -72,7 +106,7 @@ def test_bitwise_repeatable(arch):
 
 SANITIZER_CASE = """
 import torch
-from stages import d4_causal_window as stage
+from dsv4_attention.stages import d4_causal_window as stage
 q = torch.randn(2, 130, 128, 512, device="cuda").bfloat16()
 kv = torch.randn(2, 200, 1, 512, device="cuda").bfloat16()
 stage.forward(q, kv, kv, causal=True, window_size=(127, 0),
@@ -90,3 +124,34 @@ print("sanitized case ran")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer(arch, tool):
     run_compute_sanitizer(tool, SANITIZER_CASE)
+
+
+@pytest.mark.big_memory
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("pack_gqa", [None, False], ids=["packed", "unpacked"])
+def test_past_2_31_elements(arch, pack_gqa, record_errors):
+    """Q and O of more than 2^31 elements: DeepSeek-V4's window branch (128 heads, hd 512, K = V)
+    at 2^31 / (128 * 512) + 100 tokens, so the last 100 tokens' elements lie past 2^31 (byte
+    offsets past 4 GiB). Offsets are 64-bit (CuTe's dynamic strides), not rejected: every output
+    element must be written (no NaN left from the poison), and the first and last 256 tokens
+    must match the reference (windows are local: a slice's reference needs only its 127 keys
+    before)."""
+    from dsv4_attention.common.reference import attention
+    from dsv4_attention.common.testing import LSE_ABS, O_REL, errors, poison_
+
+    t = 2**31 // (128 * 512) + 100
+    g = torch.Generator(device="cuda").manual_seed(2**31)
+    q = torch.randn(1, t, 128, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(1, t, 1, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert q.numel() > 2**31
+    o, lse = poison_(torch.empty_like(q)), poison_(torch.empty(1, 128, t, device="cuda"))
+    stage.forward(q, kv, kv, causal=True, window_size=(127, 0), pack_gqa=pack_gqa, out=o, lse_out=lse)
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not lse.isnan().any(), "elements left unwritten"
+    for rows, keys in ((slice(0, 256), slice(0, 256)), (slice(t - 256, t), slice(t - 383, t))):
+        o_ref, lse_ref = attention(q[:, rows], kv[:, keys], kv[:, keys], causal=True, window_size=(127, 0))
+        e = errors(o[:, rows], o_ref)
+        record_errors(e, arch=arch, shape=list(q.shape), rows=[rows.start, rows.stop], pack_gqa=pack_gqa)
+        assert e.within(O_REL[q.dtype], 3 * O_REL[q.dtype]), (rows, e)
+        assert (lse[:, :, rows].double() - lse_ref).abs().max().item() <= LSE_ABS
+    del q, kv, o, lse

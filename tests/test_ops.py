@@ -6,9 +6,9 @@ bit for bit."""
 import pytest
 import torch
 
-import stages
-import stages.ops as ops
-from common.testing import attention_inputs, gpu_arch_params
+import dsv4_attention.stages.ops as ops
+from dsv4_attention import stages
+from dsv4_attention.common.testing import attention_inputs, gpu_arch_params
 
 ATTENTION = [s.id for s in stages.STAGES if s.id != "a"]
 
@@ -27,6 +27,14 @@ def test_fake_attention_shapes(stage_id):
     o, lse = op(stage_id)(q, k, k)
     assert o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous()
     assert lse.shape == (2, 8, 10) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stage_id", ["d3", "d4"])
+def test_fake_varlen_shapes(stage_id):
+    q, k = meta(300, 8, 128), meta(500, 2, 128)
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    o, lse = op(stage_id)(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=300)
+    assert o.shape == q.shape and lse.shape == (8, 300) and lse.dtype == torch.float32
 
 
 def test_fake_scores_shape():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.reference import attention, qk_scores
+from dsv4_attention.common.reference import attention, qk_scores
 
 pytestmark = [pytest.mark.stage_a]
 

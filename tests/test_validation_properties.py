@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.validation import check_qkv
+from dsv4_attention.common.validation import check_qkv
 
 pytestmark = [pytest.mark.stage_a]
 

@@ -14,13 +14,13 @@ import json
 
 import torch
 
-from common import bench
-from common.arch import present_arch
-from common.testing import random_bshd
+from dsv4_attention.common import bench
+from dsv4_attention.common.arch import present_arch
+from dsv4_attention.common.testing import random_bshd
 
 
 def bench_stage_a(dev) -> list:
-    from stages import a_qk_gemm as stage
+    from dsv4_attention.stages import a_qk_gemm as stage
 
     rows = []
     b, h, sq, sk = 1, 16, 4096, 4096
@@ -58,7 +58,7 @@ def bench_stage_a(dev) -> list:
 
 def peer_unpacked(q, k, v):
     """Stage D2's kernel with pack_gqa=False: one query head per tile (stage D1's grid)."""
-    from stages import d2_pack_heads
+    from dsv4_attention.stages import d2_pack_heads
 
     return lambda: d2_pack_heads.forward(q, k, v, pack_gqa=False)
 
@@ -100,7 +100,7 @@ def attention_row(stage, dev, b, h, sq, sk, d, *, kv_heads=None, kv_shared=False
             print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
     kv = "" if kv_heads is None else f" hk{hk}"
     kv += (" causal" if causal else "") + (f" window{tuple(window_size)}" if window_size is not None else "")
-    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID in ("d1", "d2", "d3", "d4") else ""
+    kind = {True: " k_eq_v", False: " k_ne_v"}[kv_shared] if stage.ID in ("d1", "d2", "d3", "d4", "d5") else ""
     row = {
         "stage": stage.ID, "case": f"b{b} h{h}{kv} sq{sq} sk{sk} hd{d}{kind} bf16", "head_dim": d, "seqlen": sk,
         "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
@@ -117,14 +117,14 @@ def attention_row(stage, dev, b, h, sq, sk, d, *, kv_heads=None, kv_shared=False
 
 def bench_stage_b(dev) -> list:
     """One KV tile (seqlen_k = 128) against FlashAttention-4 and cuDNN on the same tensors."""
-    from stages import b_p_onchip as stage
+    from dsv4_attention.stages import b_p_onchip as stage
 
     return [attention_row(stage, dev, 4, 16, 8192, stage.KV_TILE, d) for d in stage.HEAD_DIMS]
 
 
 def bench_stage_c(dev) -> list:
     """Non-causal, seqlen 1k-16k, 32k tokens x 16 heads per launch (fills the GPU)."""
-    from stages import c_online_softmax as stage
+    from dsv4_attention.stages import c_online_softmax as stage
 
     return [attention_row(stage, dev, max(1, 32768 // s), 16, s, s, d)
             for d in stage.HEAD_DIMS for s in (1024, 2048, 4096, 8192, 16384)]
@@ -137,7 +137,7 @@ def bench_stage_d1(dev) -> list:
     K = V ring's exposed loads, docs/stages/d1_smem_p.md; the peer's time does not depend on
     K = V, so it is measured on the K = V rows only); and head dim 256 K = V MQA against
     FlashAttention-4 and cuDNN (their widest head dim)."""
-    from stages import d1_smem_p as stage
+    from dsv4_attention.stages import d1_smem_p as stage
 
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     ceiling = bench.tflops(2 * 8192**3, bench.time_ms([lambda a=a: torch.matmul(a, a)], warmup=3, iters=10))
@@ -160,7 +160,7 @@ def bench_stage_d2(dev) -> list:
     against a device copy measured in the same run, and against the same kernel unpacked where
     that finishes in reasonable time. hd 128 / 256 MQA decode against FlashAttention-4 (which packs
     too). GQA prefill (hd 128, 32 heads on 4 KV heads): packed against unpacked, FA4 and cuDNN."""
-    from stages import d2_pack_heads as stage
+    from dsv4_attention.stages import d2_pack_heads as stage
 
     copy = bench.copy_gbps(dev)
     print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
@@ -185,7 +185,7 @@ def bench_stage_d3(dev) -> list:
     """DeepSeek-V4 decode with per-request lengths: 64 requests x 2 tokens x 128 heads on one latent
     KV head (hd 512, K = V), each request using a random 50-100 % of a 16k / 64k KV buffer: bandwidth
     over the K/V rows actually read (seqused_k), Q, O and LSE, against a same-run device copy."""
-    from stages import d3_lengths as stage
+    from dsv4_attention.stages import d3_lengths as stage
 
     copy = bench.copy_gbps(dev)
     rows = []
@@ -216,7 +216,7 @@ def bench_stage_d4(dev) -> list:
     DeepSeek-V4's window branch (128 heads on one KV head, causal window (127, 0), K = V) at hd 256
     (FA4 runs it) and hd 512 (it does not): TFLOP/s over the visible keys and the bandwidth of
     Q, K/V (once), O and LSE against a same-run device copy."""
-    from stages import d4_causal_window as stage
+    from dsv4_attention.stages import d4_causal_window as stage
 
     copy = bench.copy_gbps(dev)
     print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
@@ -239,11 +239,152 @@ def bench_stage_d4(dev) -> list:
                 row["fa4_fraction_of_copy"] = round(moved / (row["peer_ms"]["fa4"] * 1e-3) / 1e9 / copy, 3)
             print(f"  window branch hd{d} s{s}: {row['gbps']} GB/s = {row['fraction_of_copy']:.0%} of copy", flush=True)
             rows.append(row)
+    for d, h, hk in ((128, 32, 4), (128, 16, 16), (64, 16, 16)):
+        rows.append(varlen_row(stage, dev, d, h, hk))
     return rows
 
 
-BENCHES = {"a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1, "d2": bench_stage_d2,
-           "d3": bench_stage_d3, "d4": bench_stage_d4}
+def bench_stage_d5(dev) -> list:
+    """DeepSeek-V4's window branch (128 heads on one K = V head, hd 512, causal window (127, 0))
+    with its attention sink against the same call without one (stage D4, same run): what the
+    sink's epilogue costs; and the torch merge of two such results (the unfused branch merge)."""
+    rows = [sink_row(dev, s) for s in (8192, 32768)]
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sink_row(dev, s: int) -> dict:
+    from dsv4_attention.stages import d4_causal_window, d5_sink_merge
+
+    q = random_bshd(1, s, 128, 512, torch.bfloat16, dev)
+    kv = random_bshd(1, s, 1, 512, torch.bfloat16, dev)
+    sink = torch.randn(128, device=dev)
+    kw = {"causal": True, "window_size": (127, 0)}
+    ms = bench.time_ms([lambda: d5_sink_merge.forward(q, kv, kv, learnable_sink=sink, **kw)])
+    ms_d4 = bench.time_ms([lambda: d4_causal_window.forward(q, kv, kv, **kw)])
+    o, lse = d5_sink_merge.forward(q, kv, kv, **kw)
+    ms_merge = bench.time_ms([lambda: d5_sink_merge.merge_attention(o, lse, o, lse)])
+    flop = d5_sink_merge.flops(1, s, s, 128, 512, True, (127, 0))
+    row = {"stage": "d5", "case": f"b1 h128 hk1 causal window(127, 0) sq{s} sk{s} hd512 k_eq_v sink bf16",
+           "head_dim": 512, "seqlen": s, "kind": "window branch + sink", "ours_ms": round(ms, 4),
+           "ours_tflops": round(bench.tflops(flop, ms), 1),
+           "peers": {"d4_no_sink": round(bench.tflops(flop, ms_d4), 1)}, "peer_ms": {"d4_no_sink": round(ms_d4, 4)},
+           "time_ratio_vs": {"d4_no_sink": round(ms / ms_d4, 3)}, "torch_merge_ms": round(ms_merge, 4)}
+    print(f"stage d5 {row['case']}: {ms:.3f} ms vs D4 {ms_d4:.3f} ms; torch merge {ms_merge:.3f} ms", flush=True)
+    return row
+
+
+def varlen_row(stage, dev, d, h, hk, requests=16, seed=0) -> dict:
+    """A causal prefill batch of ``requests`` uneven requests (256-4096 tokens each, random with a
+    fixed seed) as one variable-length call, ours against FlashAttention-4's varlen call on the
+    same tensors; FLOPs over each request's visible (causal) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(256, 4097, (requests,), generator=g).tolist()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    total, longest = sum(lens), max(lens)
+    q = random_bshd(1, total, h, d, torch.bfloat16, dev)[0]
+    k, v = (random_bshd(1, total, hk, d, torch.bfloat16, dev)[0] for _ in range(2))
+    kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": longest, "max_seqlen_k": longest, "causal": True}
+    ms = bench.time_ms([lambda: stage.forward(q, k, v, **kw)])
+    flop = sum(stage.flops(1, n, n, h, d, causal=True) for n in lens)
+    row = {"stage": stage.ID, "case": f"varlen {requests} requests 256-4096 (total {total}) h{h} hk{hk} causal hd{d} "
+           f"k_ne_v bf16", "head_dim": d, "kind": "varlen causal prefill", "ours_ms": round(ms, 4),
+           "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {}}
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        t = bench.time_ms([lambda: flash_attn_varlen_func(q, k, v, **kw)])
+        row["peers"]["fa4"], row["peer_ms"]["fa4"] = round(bench.tflops(flop, t), 1), round(t, 4)
+        row["time_ratio_vs"]["fa4"] = round(ms / t, 3)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+        print(f"peer fa4 varlen failed: {type(e).__name__}: {e}"[:300], flush=True)
+    print(f"stage {stage.ID} {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {row['peers']}",
+          flush=True)
+    return row
+
+
+FIRST_CALL = r"""
+import json, sys, time, torch
+import dsv4_attention
+from dsv4_attention.common import kernel_cache
+q = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+dsv4_attention.attention(q, k, k.clone(), causal=True)
+torch.cuda.synchronize()
+print(json.dumps({"s": time.perf_counter() - t0, **kernel_cache.stats}))
+"""
+
+
+def host_us_per_call(call, n: int = 300) -> float:
+    """Host microseconds per call of a tiny problem: the GPU finishes each launch long before the
+    host issues the next, so the loop's wall time is the calls' host time."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    import time
+
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def bench_calls(dev) -> list:
+    """What a call costs besides the kernel: host time per call of a tiny problem (batch 1, seqlen
+    128, 2 heads, hd 128: validation, argument packing, launch), ours (``dsv4_attention.attention``,
+    stage C's plain forward) against FlashAttention-4 in this process; and the first call of a
+    configuration in a fresh process, compiling (empty kernel cache) and loading (the entry the
+    first process wrote)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import dsv4_attention
+    from dsv4_attention.stages import c_online_softmax
+
+    q, k, v = (random_bshd(1, 128, 2, 128, torch.bfloat16, dev) for _ in range(3))
+    o = torch.empty_like(q)
+    lse = torch.empty(1, 2, 128, device=dev)
+    calls = {"attention": lambda: dsv4_attention.attention(q, k, v, causal=True),
+             "attention_out": lambda: dsv4_attention.attention(q, k, v, causal=True, out=o, lse_out=lse),
+             "stage_c": lambda: c_online_softmax.forward(q, k, v),
+             "fa4": bench.peer_fa4(q, k, v, causal=True)}
+    us = {}
+    for name, call in calls.items():
+        try:
+            us[name] = round(host_us_per_call(call), 1)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported
+            print(f"host time {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+    rows = [{"stage": "calls", "kind": "host time", "case": "b1 h2 sq128 sk128 hd128 causal bf16", "us_per_call": us}]
+    print(f"host us per call: {us}", flush=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dsv4_attention.__file__)))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, DSV4_ATTENTION_CACHE_DIR=cache)
+        first = {}
+        for label in ("compile", "load"):
+            p = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, env=env, cwd=root,
+                               timeout=300)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            if p.returncode != 0 or not line:
+                print(f"first call ({label}) failed: {p.stderr[-500:]}", flush=True)
+                continue
+            r = json.loads(line[-1])
+            first[label] = {"s": round(r["s"], 3), "compiled": r["compiled"], "loaded": r["loaded"]}
+    rows.append({"stage": "calls", "kind": "first call", "case": "fresh process, b1 h2 s128 hd128 causal bf16",
+                 "first_call": first})
+    print(f"first call in a fresh process: {first}", flush=True)
+    return rows
+
+
+BENCHES = {"calls": bench_calls, "a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1,
+           "d2": bench_stage_d2, "d3": bench_stage_d3, "d4": bench_stage_d4, "d5": bench_stage_d5}
 
 
 def run(stages=None) -> list:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from common.arch import present_arch
-from common.compile import compile_report
+from dsv4_attention.common.arch import present_arch
+from dsv4_attention.common.compile import compile_report
 
 HD = 128
 
@@ -22,7 +22,7 @@ def gpu_columns(st):
 
 
 def main() -> int:
-    import stages
+    from dsv4_attention import stages
 
     print(f"{'stage':6s} {'adds':60s} | per arch (hd {HD}, bf16): compile s / regs / spills / smem / tmem")
     for st in stages.STAGES:

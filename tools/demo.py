@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import sys
 
-from common.arch import gpu_name, present_arch
+from dsv4_attention.common.arch import gpu_name, present_arch
 
 
 def compile_everything() -> int:
-    import stages
-    from common.compile import compile_report
+    from dsv4_attention import stages
+    from dsv4_attention.common.compile import compile_report
 
     print("No Hopper/Blackwell GPU here: NOTHING RAN ON A GPU. Compiling every stage for both "
           "architectures instead (file cache off).\n")
@@ -37,7 +37,7 @@ def compile_everything() -> int:
 def run_newest_stage() -> int:
     import torch
 
-    import stages
+    from dsv4_attention import stages
 
     st = stages.STAGES[-1]
     print(f"GPU: {gpu_name()} ({present_arch()}); stage {st.id} ({st.name}): {st.adds}")

@@ -1,6 +1,7 @@
 """Run the test session and the benchmarks on a GPU and write the device report.
 
-    python -m tools.gpu_report --out DIR [--stage a ...] [--tests all|gpu|none] [--no-bench] [--no-sanity]
+    python -m tools.gpu_report --out DIR [--stage a ... | --stage calls] [--tests all|gpu|none] [--no-bench]
+                               [--no-sanity]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
 (sha256 of every file under stages/ and common/), test counts per stage and
@@ -27,8 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-from common import report
-from common.arch import gpu_name, present_arch
+from dsv4_attention.common import report
+from dsv4_attention.common.arch import gpu_name, present_arch
 
 
 def run_tests(stages, which: str, log) -> dict:
@@ -63,11 +64,14 @@ def main(argv=None) -> int:
     import cutlass
     import torch
 
-    import stages as stage_registry
-    from common import bench
+    from dsv4_attention import stages as stage_registry
+    from dsv4_attention.common import bench
     from tools import bench as bench_tool
 
-    stage_ids = a.stage or [s.id for s in stage_registry.STAGES]
+    every = [s.id for s in stage_registry.STAGES]
+    # "calls" (host time per call, first call in a fresh process) is a bench of no stage
+    stage_ids = [s for s in (a.stage or every) if s != "calls"]
+    bench_ids = [s for s in (a.stage or ["calls", *every]) if s in bench_tool.BENCHES]
     name = report.gpu_file_name(gpu_name())
     out_dir = pathlib.Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
                   "bench": not a.no_bench}],
     }
     if not a.no_bench:
-        new["bench"] = bench_tool.run([s for s in stage_ids if s in bench_tool.BENCHES])
+        new["bench"] = bench_tool.run(bench_ids)
     if not a.no_sanity:
         new["peer_sanity"] = bench.peer_sanity()
         print("peer sanity:", json.dumps(new["peer_sanity"]), flush=True)

@@ -15,9 +15,9 @@ def stage_a() -> list:
     import cutlass.cute as cute
     import cutlass.utils.blackwell_helpers as sm100_utils
 
-    from common import tmem
-    from common.layout_proof import trace
-    from stages.a_qk_gemm import sm90
+    from dsv4_attention.common import tmem
+    from dsv4_attention.common.layout_proof import trace
+    from dsv4_attention.stages.a_qk_gemm import sm90
 
     dt = cutlass.BFloat16
 

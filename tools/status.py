@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import report
+from dsv4_attention.common import report
 
 ROOT = report.ROOT
 README = ROOT / "README.md"
@@ -76,7 +76,7 @@ def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
                 err = rep.get("errors", {}).get(stage, {}).get(arch, {})
                 e = f", worst rel {err['rel_fro']:.1e}" if err else ""
                 verified.append(f"yes: {tag}, {passed} tests{e}")
-        rows = [r for r in rep.get("bench", []) if r["stage"] == stage]
+        rows = [r for r in rep.get("bench", []) if r["stage"] == stage and "ours_tflops" in r]
         if rows:
             best = max(r["ours_tflops"] for r in rows)
             measured.append(("stale: " if stale else "") + f"{tag}: {len(rows)} cases, up to {best:.0f} TFLOP/s")
@@ -85,7 +85,7 @@ def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
 
 
 def table() -> str:
-    import stages
+    from dsv4_attention import stages
 
     cpu = report.load(CPU) if CPU.exists() else {}
     reports = report.gpu_reports()
@@ -136,7 +136,16 @@ def _report_section(name: str, rep: dict) -> str:
             rel = f"{e['rel_fro']:.2e} | {e['row_rel']:.2e}" if e else "not run | not run"
             out.append(f"| {st} | {arch} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('skipped', 0)} | "
                        f"{rel} | {e.get('cases', 0)} |")
-    rows = rep.get("bench", [])
+    calls = [r for r in rep.get("bench", []) if r["stage"] == "calls"]
+    rows = [r for r in rep.get("bench", []) if r["stage"] != "calls"]
+    for r in calls:
+        if r["kind"] == "host time":
+            out += ["", f"Host time per call ({r['case']}): "
+                    + ", ".join(f"{k} {v} us" for k, v in r["us_per_call"].items()) + "."]
+        else:
+            out += ["", f"First call of a configuration in a {r['case']}: "
+                    + ", ".join(f"{k} {v['s']} s ({v['compiled']} compiled, {v['loaded']} loaded)"
+                                for k, v in r["first_call"].items()) + "."]
     if rows:
         peers = sorted({p for r in rows for p in r.get("peers", {})})
         out += ["", "| stage | case | ours ms | ours TFLOP/s | " + " | ".join(f"{p} TFLOP/s" for p in peers)

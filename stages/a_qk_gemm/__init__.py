@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from common import jit
-from common.arch import arch_of_device
-from common.validation import check_out, check_qk, check_scale
+from dsv4_attention.common import jit
+from dsv4_attention.common.arch import arch_of_device
+from dsv4_attention.common.validation import check_out, check_qk, check_scale
 
 ID = "a"
 NAME = "qk_gemm"
@@ -22,7 +22,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 MAX_GRID_Z = 65535  # CTAs along z, one per (head, batch)
 
 
-KERNELS = {"sm90": "stages.a_qk_gemm.sm90:QKGemmSm90", "sm100": "stages.a_qk_gemm.sm100:QKGemmSm100"}
+KERNELS = {
+    "sm90": "dsv4_attention.stages.a_qk_gemm.sm90:QKGemmSm90",
+    "sm100": "dsv4_attention.stages.a_qk_gemm.sm100:QKGemmSm100",
+}
 
 
 def make_kernel(arch: str, dtype: torch.dtype, head_dim: int):
@@ -73,9 +76,9 @@ def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:
 
 def demo_case(device, head_dim: int = 128, batch=1, heads=16, seqlen_q=4096, seqlen_k=4096):
     """One bf16 run against the float64 reference, timed: (errors, milliseconds, TFLOP/s)."""
-    from common import bench
-    from common.reference import qk_scores
-    from common.testing import errors, random_bshd
+    from dsv4_attention.common import bench
+    from dsv4_attention.common.reference import qk_scores
+    from dsv4_attention.common.testing import errors, random_bshd
 
     q = random_bshd(batch, seqlen_q, heads, head_dim, torch.bfloat16, device)
     k = random_bshd(batch, seqlen_k, heads, head_dim, torch.bfloat16, device)

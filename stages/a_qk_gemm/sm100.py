@@ -76,8 +76,8 @@ import cutlass.utils as utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from common.layouts import scores_major, seq_major
-from common.sm100_qk import (
+from dsv4_attention.common.layouts import scores_major, seq_major
+from dsv4_attention.common.sm100_qk import (
     K_BLOCK,
     QK_MMA_TILER,
     issue_qk_mmas,
@@ -85,7 +85,7 @@ from common.sm100_qk import (
     make_qk_smem_layouts,
     make_qk_tma_atoms,
 )
-from common.tmem import (
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     QK_TILE_M,

@@ -63,8 +63,8 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from common.layouts import scores_major, seq_major
-from common.sm90_gemm import (  # noqa: F401 - TILE_K, NUM_MMA_WARPGROUPS: part of this module's surface
+from dsv4_attention.common.layouts import scores_major, seq_major
+from dsv4_attention.common.sm90_gemm import (  # noqa: F401 - TILE_K, NUM_MMA_WARPGROUPS: part of this module's surface
     NUM_MMA_WARPGROUPS,
     NUM_THREADS,
     THREADS_PER_WARPGROUP,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from common import interface, jit
+from dsv4_attention.common import interface, jit
 
 ID = "b"
 NAME = "p_onchip"
@@ -22,8 +22,8 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 KV_TILE = 128
 KERNELS = {
-    "sm90": "stages.b_p_onchip.sm90:AttentionOneTileSm90",
-    "sm100": "stages.b_p_onchip.sm100:AttentionOneTileSm100",
+    "sm90": "dsv4_attention.stages.b_p_onchip.sm90:AttentionOneTileSm90",
+    "sm100": "dsv4_attention.stages.b_p_onchip.sm100:AttentionOneTileSm100",
 }
 
 
@@ -32,7 +32,7 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int):
 
 
 def example_args(dtype: torch.dtype, head_dim: int):
-    return interface.attention_example_args(dtype, head_dim, seqlen_k=100)
+    return interface.attention_example_args(dtype, head_dim, seqlen_k=100, plain=True)
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=None):

@@ -90,8 +90,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from common.layouts import check_attention_operands, reorder, seq_major
-from common.sm100_qk import (
+from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major
+from dsv4_attention.common.sm100_qk import (
     K_BLOCK,
     QK_MMA_TILER,
     issue_qk_mmas,
@@ -99,7 +99,7 @@ from common.sm100_qk import (
     make_qk_smem_layouts,
     make_qk_tma_atoms,
 )
-from common.tmem import (
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     PV_TILE_K,

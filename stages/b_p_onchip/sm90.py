@@ -66,9 +66,9 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from common.layouts import check_attention_operands, seq_major
-from common.p_staging import convert_p, make_pv_tiled_mma
-from common.sm90_gemm import (
+from dsv4_attention.common.layouts import check_attention_operands, seq_major
+from dsv4_attention.common.p_staging import convert_p, make_pv_tiled_mma
+from dsv4_attention.common.sm90_gemm import (
     NUM_THREADS,
     THREADS_PER_WARPGROUP,
     TILE_K,
@@ -82,7 +82,7 @@ from common.sm90_gemm import (
     num_k_blocks,
     tile_tma_partition,
 )
-from common.softmax import acc_rows_view, log_sum_exp, softmax_rows
+from dsv4_attention.common.softmax import acc_rows_view, log_sum_exp, softmax_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 

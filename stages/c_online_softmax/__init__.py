@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from common import interface, jit
+from dsv4_attention.common import interface, jit
 
 ID = "c"
 NAME = "online_softmax"
@@ -21,8 +21,8 @@ ADDS = "any seqlen_k: pipelined K/V tiles, online softmax, O rescale (correction
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {
-    "sm90": "stages.c_online_softmax.sm90:FlashAttentionSm90",
-    "sm100": "stages.c_online_softmax.sm100:FlashAttentionSm100",
+    "sm90": "dsv4_attention.stages.c_online_softmax.sm90:FlashAttentionSm90",
+    "sm100": "dsv4_attention.stages.c_online_softmax.sm100:FlashAttentionSm100",
 }
 
 
@@ -31,7 +31,7 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int):
 
 
 def example_args(dtype: torch.dtype, head_dim: int):
-    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000)
+    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, plain=True)
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=None):

@@ -117,11 +117,11 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from common.compile import SMEM_LIMIT
-from common.layouts import check_attention_operands, reorder, seq_major
-from common.mask import mask_seqlen_k, num_kv_tiles
-from common.sm100_correction import o_row_to_smem, rescale_o_row
-from common.sm100_kv import (
+from dsv4_attention.common.compile import SMEM_LIMIT
+from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major
+from dsv4_attention.common.mask import mask_seqlen_k, num_kv_tiles
+from dsv4_attention.common.sm100_correction import o_row_to_smem, rescale_o_row
+from dsv4_attention.common.sm100_kv import (
     KV_TILE,
     kv_ring_stages,
     load_tile,
@@ -129,10 +129,10 @@ from common.sm100_kv import (
     make_kv_tma_atoms,
     partition_kv_loads,
 )
-from common.sm100_qk import issue_qk_tile, make_qk_smem_layouts, qk_tile_tiler
-from common.sm100_softmax import RESCALE_THRESHOLD, exp2_into_p, lazy_max_update, row_max
-from common.sm100_sync import Handoff, UseCountedBarriers
-from common.tmem import (
+from dsv4_attention.common.sm100_qk import issue_qk_tile, make_qk_smem_layouts, qk_tile_tiler
+from dsv4_attention.common.sm100_softmax import RESCALE_THRESHOLD, exp2_into_p, lazy_max_update, row_max
+from dsv4_attention.common.sm100_sync import Handoff, UseCountedBarriers
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     PV_TILE_K,

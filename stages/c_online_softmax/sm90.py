@@ -85,12 +85,12 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from common.layouts import check_attention_operands, seq_major
-from common.mask import mask_seqlen_k, num_kv_tiles
-from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
-from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
-from common.sm90_epilogue import store_lse, store_o
-from common.sm90_gemm import (
+from dsv4_attention.common.layouts import check_attention_operands, seq_major
+from dsv4_attention.common.mask import mask_seqlen_k, num_kv_tiles
+from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
+from dsv4_attention.common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from dsv4_attention.common.sm90_epilogue import store_lse, store_o
+from dsv4_attention.common.sm90_gemm import (
     REGISTERS,
     SMEM_ALIGN,
     THREADS_PER_WARPGROUP,
@@ -102,8 +102,8 @@ from common.sm90_gemm import (
     make_tma_tile_atom,
     tile_tma_partition,
 )
-from common.sm90_producer import load_q_k_v
-from common.softmax import OnlineSoftmax, scale_rows
+from dsv4_attention.common.sm90_producer import load_q_k_v
+from dsv4_attention.common.softmax import OnlineSoftmax, scale_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # (tile_m, tile_n) per head dim. Measured on an H200 (bf16, non-causal): hd 64 192 x 128

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from common import interface, jit
+from dsv4_attention.common import interface, jit
 
 ID = "d1"
 NAME = "smem_p"
@@ -23,8 +23,8 @@ ADDS = "P staged in SMEM (byte-proven A operand), head dims 64..512 in k-subtile
 HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {
-    "sm90": "stages.d1_smem_p.sm90:FlashAttentionD1Sm90",
-    "sm100": "stages.d1_smem_p.sm100:FlashAttentionD1Sm100",
+    "sm90": "dsv4_attention.stages.d1_smem_p.sm90:FlashAttentionD1Sm90",
+    "sm100": "dsv4_attention.stages.d1_smem_p.sm100:FlashAttentionD1Sm100",
 }
 #: the compile-time variants CI compiles and budgets (kernel keyword options)
 VARIANTS = ({"kv_shared": False}, {"kv_shared": True})
@@ -52,7 +52,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     if p_in_smem is not None:
         options["p_in_smem"] = bool(p_in_smem)
     return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
-                                       options=options)
+                                       options=options, extra_args=interface.no_mask_args)
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:

@@ -67,6 +67,13 @@ Seams for later stages (class attributes and methods, defaults: one row per toke
 ------------------------------------------------------------------------------------------------
     row_views        D2: query heads folded into the rows (``pack_group``).
     kv_length        D3: the request's keys, seqused_k[b] (``uses_seqused_k``).
+    request_views    D3 varlen (``varlen``): the views of request b (grid z) offset to its first row and
+                     key, the batch coordinate to index them with (0), its packed row count and key
+                     count (cu_seqlens); the grid runs the longest request's Q tiles (``varlen_grid_x``)
+                     and a CTA whose tile holds none of its request's rows does nothing
+                     (``tile_has_rows``). The tile that straddles a request's end is stored row by row
+                     (``o_by_tma``, ``row_stored``), not by TMA: the box would overwrite the next
+                     request's rows.
     kv_span          the Q tile's keys (common/kv_span.py: ``origin``, ``n_tiles``), the same for both
                      O halves of a tile: the TMA warp offsets K's key mode (V's: its second mode) by
                      origin, the MMA, softmax and correction warps iterate n_tiles.
@@ -83,7 +90,9 @@ Warp roles (320 threads; setmaxnreg not used: stage C's one-Q-tile budget, 168 r
 ---------------------------------------------------------------------------------------------
     warps 0..3   softmax: thread t owns row t of S, P, m, l.
     warps 4..7   correction: thread t owns row t of O: rescales it in TMEM when its warp's max grew;
-                 epilogue (O / l -> sO over sQ -> TMA store; LSE by the X-half 0 CTA).
+                 epilogue (O / l -> sO over sQ -> TMA store; LSE by the X-half 0 CTA). Varlen, a
+                 tile that straddles its request's end: after the epilogue barrier each thread
+                 copies its own row of sO to global memory (16-byte stores), the request's rows only.
     warp  8      MMA: allocates TMEM; QK (SS) into S; PV (SS: A = P from sP; TS: from TMEM) into
                  O's chunks.
     warp  9      TMA: Q once; the ring's KV blocks in use order (``common.sm100_smem_p.KvBlockRing``).
@@ -160,11 +169,16 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from common.kv_span import KvSpan
-from common.layouts import check_attention_operands, reorder, seq_major
-from common.pack_heads import rows
-from common.sm100_correction import o_row_to_smem, rescale_o_row
-from common.sm100_smem_p import (
+from dsv4_attention.common.kv_span import KvSpan
+from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major
+from dsv4_attention.common.pack_heads import rows
+from dsv4_attention.common.sm100_correction import (
+    o_row_smem_to_gmem,
+    o_row_to_smem,
+    rescale_o_row,
+    with_row_vectors,
+)
+from dsv4_attention.common.sm100_smem_p import (
     KvBlockRing,
     SmemPTmemMap,
     default_p_in_smem,
@@ -177,7 +191,7 @@ from common.sm100_smem_p import (
     qk_subtile_schedule,
     store_p_row,
 )
-from common.sm100_softmax import (
+from dsv4_attention.common.sm100_softmax import (
     RESCALE_THRESHOLD,
     exp2_into_p,
     lazy_max_update,
@@ -188,8 +202,8 @@ from common.sm100_softmax import (
     visible_columns,
     visible_keys,
 )
-from common.sm100_sync import Handoff, UseCountedBarriers
-from common.tmem import (
+from dsv4_attention.common.sm100_sync import Handoff, UseCountedBarriers
+from dsv4_attention.common.tmem import (
     EPI_COLS,
     EPI_THREADS,
     MMA_INST_K,
@@ -257,8 +271,12 @@ class FlashAttentionD1Sm100:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
         mSeqUsedK: cute.Tensor | None = None,
-        window_left: cutlass.Int32 | None = None,
-        window_right: cutlass.Int32 | None = None,
+        window_left: cutlass.Int32 = None,
+        window_right: cutlass.Int32 = None,
+        mCuSeqlensQ: cute.Tensor | None = None,
+        mCuSeqlensK: cute.Tensor | None = None,
+        max_seqlen_q: cutlass.Int32 = None,
+        mSink: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -321,14 +339,26 @@ class FlashAttentionD1Sm100:
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         self.shared_storage = SharedStorage
 
-        grid = (cute.ceil_div(rows(q), QK_TILE_M) * plan.o_split, q.shape[2], q.shape[3])
+        if const_expr(self.varlen):  # the tiles of the longest request x heads x requests
+            grid = (self.varlen_grid_x(max_seqlen_q), q.shape[2], mCuSeqlensQ.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(rows(q), QK_TILE_M) * plan.o_split, q.shape[2], q.shape[3])
+        # varlen: O's memory as well, for the row-by-row store of the tile that straddles a request's end
+        o_mem = with_row_vectors(o) if const_expr(self.varlen) else None
         self.kernel(
-            qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
+            qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
+            mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
+
+    def row_scale(self, inv_row_sum, lse, mSink, q_row, h):
+        """The seam of the epilogue's per-row scale: this thread's row's 1 / rowsum, which
+        normalises O, may be scaled further given the row's LSE (natural log), its packed row
+        q_row and head index h. Unchanged here; stage D5 multiplies by the sink's sigmoid."""
+        return inv_row_sum
 
     def row_views(self, q: cute.Tensor, o: cute.Tensor, lse: cute.Tensor):
         """The seam where later stages change what a Q row is: (Q, O, LSE) as the kernel
@@ -339,6 +369,7 @@ class FlashAttentionD1Sm100:
     # ---- seams: what later stages change (defaults: one row per token, every key visible) ----
     pack_group = 1  # D2: query heads folded into a row tile
     uses_seqused_k = False  # D3: per-request key counts
+    varlen = False  # D3: requests packed along the tokens (cu_seqlens_q / cu_seqlens_k)
     has_left = has_right = False  # D4: window bounds (causal: right = 0)
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
 
@@ -356,6 +387,16 @@ class FlashAttentionD1Sm100:
         """The keys of request ``batch`` (D3: seqused_k[batch])."""
         return seqlen_k
 
+    def request_views(self, batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK):
+        """The seam where stage D3's variable-length batches change what a request is. Takes the
+        kernel's views (TMA views mQ, mO (rows, head_dim, heads, batch), mK (seqlen_k, head_dim,
+        kv_heads, batch), mV (head_dim, seqlen_k, kv_heads, batch; K's view when kv_shared); O's
+        memory mO_mem like mO, or None; LSE (rows, heads, batch)) and returns
+        (mQ, mK, mV, mO, mO_mem, mLSE, b, rows, seqlen_k): the request's views, the batch
+        coordinate to index them with, its (packed) row count and its key count. Here request
+        ``batch`` is a batch entry of the tensors."""
+        return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
+
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py)."""
         return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
@@ -363,7 +404,41 @@ class FlashAttentionD1Sm100:
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
-        return self.uses_seqused_k or self.has_left or self.has_right
+        return self.uses_seqused_k or self.varlen or self.has_left or self.has_right
+
+    def varlen_grid_x(self, max_seqlen_q):
+        """Grid x of a variable-length batch: the Q tiles (x o_split) of its longest request."""
+        return (max_seqlen_q * self.pack_group + QK_TILE_M - 1) // QK_TILE_M * self.plan.o_split
+
+    def tile_has_rows(self, m_blk, n_rows):
+        """Whether Q tile m_blk holds any of its request's ``n_rows`` rows (varlen: the grid spans
+        the longest request; a CTA whose tile has none does nothing)."""
+        return m_blk * QK_TILE_M < n_rows
+
+    def o_load(self, tmem_base):
+        """The correction threads' tcgen05.ld of O in EPI_COLS-column chunks: (tiled copy, O in chunks).
+        Slice t of the copy is correction thread t, which holds row t of the tile."""
+        return make_acc_tmem_load(SmemPTmemMap.packed(self.dtype, self.plan).o().at(tmem_base), EPI_COLS)
+
+    def o_row_part(self, thr_o_load, tile: cute.Tensor) -> cute.Tensor:
+        """This correction thread's values of a (QK_TILE_M, o_cols) tile (its row, in the order of its
+        O loads): of sO, of O's memory, of identity coordinates."""
+        return thr_o_load.partition_D(epi_view(tile, EPI_COLS))
+
+    def o_tile(self, mO: cute.Tensor, m_blk, half, h, b) -> cute.Tensor:
+        """The (QK_TILE_M, o_cols) part of O that the CTA of Q tile m_blk, O half ``half`` stores: of
+        the TMA view (the box the TMA store writes) or of O's memory (the row-by-row store)."""
+        return cute.local_tile(mO[None, None, h, b], (QK_TILE_M, self.plan.o_cols), (m_blk, half))
+
+    def o_by_tma(self, rows_left):
+        """Whether the tile goes out as one TMA box: every row of it is the request's (``rows_left``:
+        its request's rows from the tile's first on). Only varlen asks: elsewhere the rows past the
+        tensor's end are clipped by TMA, and there is no next request to overwrite."""
+        return rows_left >= QK_TILE_M
+
+    def row_stored(self, row, rows_left):
+        """Whether row ``row`` of a tile stored row by row is written (one of its request's rows)."""
+        return row < rows_left
 
     def masks_inner_tiles(self) -> bool:
         """Whether tiles after the first visited one can straddle a boundary (window edges)."""
@@ -385,6 +460,7 @@ class FlashAttentionD1Sm100:
         mV: cute.Tensor,  # TMA view (head_dim, seqlen_k, kv_heads, batch); K's when kv_shared (unused)
         tma_atom_o: cute.CopyAtom,
         mO: cute.Tensor,  # TMA view (seqlen_q, head_dim, heads, batch)
+        mO_mem: cute.Tensor | None,  # varlen: O's memory like mO, for the straddling tile's rows
         mLSE: cute.Tensor,  # (seqlen_q, heads, batch) fp32
         scale_log2: Float32,
         q_smem: cute.ComposedLayout,
@@ -395,17 +471,41 @@ class FlashAttentionD1Sm100:
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32: D3's per-request key counts
         window_left: Int32 | None,  # D4's window bounds
         window_right: Int32 | None,
+        mCuSeqlensQ: cute.Tensor | None,  # D3 varlen: (requests + 1,) int32 offsets of each request's
+        mCuSeqlensK: cute.Tensor | None,  # tokens and keys
+        max_seqlen_q: Int32 | None,  # D3 varlen: the longest request's queries (sized the grid)
+        mSink: cute.Tensor | None,  # D5: (heads,) fp32 attention sink
     ):
+        bx, h, request = cute.arch.block_idx()
+        m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
+        hk = h // (mQ.shape[2] // mK.shape[2])  # GQA: `heads // kv_heads` query heads share a KV head
+        mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
+            request, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
+        args = (qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
+                scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
+                n_rows, seqlen_k, mSink)
+        if const_expr(self.varlen):
+            # the grid spans the longest request: a tile past its request's rows loads and stores
+            # nothing (uniform per CTA: no thread reaches a barrier)
+            if self.tile_has_rows(m_blk, n_rows):
+                self.tile(*args)
+        else:
+            self.tile(*args)
+
+    @cute.jit
+    def tile(
+        self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
+        scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
+        n_rows, seqlen_k, mSink,
+    ):  # fmt: skip
+        """One CTA's work: Q tile m_blk (O half ``half``) of head h (KV head hk) of request b, on the
+        request's views (``request_views``: n_rows packed rows, seqlen_k keys)."""
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bx, h, b = cute.arch.block_idx()
-        m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
-        hk = h // (mQ.shape[2] // mK.shape[2])  # GQA: `heads // kv_heads` query heads share a KV head
         # the Q tile's keys: KV tile n holds keys span.origin + n * tile_n ..; both O halves of a
         # Q tile (o_split) compute the same span from the same m_blk
-        seqlen_k = self.kv_length(mSeqUsedK, b, mK.shape[0])
-        span = self.kv_span(m_blk, rows(mQ), seqlen_k, window_left, window_right)
+        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right)
         n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:
@@ -468,8 +568,9 @@ class FlashAttentionD1Sm100:
 
         if warp_idx >= self.correction_warps[0] and warp_idx <= self.correction_warps[-1]:
             self.correction(
-                tma_atom_o, mO, mLSE, storage.sQ.data_ptr(), o_smem, n_tiles, tmem, tmem_barrier, epi_barrier,
-                pv_ready, o_full, stats, sStats, tidx % EPI_THREADS, warp_idx % 4, m_blk, half, h, b,
+                tma_atom_o, mO, mO_mem, mLSE, storage.sQ.data_ptr(), o_smem, n_tiles, tmem, tmem_barrier,
+                epi_barrier, pv_ready, o_full, stats, sStats, tidx % EPI_THREADS, warp_idx % 4, m_blk, half, h, b,
+                n_rows, mSink,
             )  # fmt: skip
 
     # /////////////////////////////////////////////////////////////////////////////////////
@@ -703,20 +804,20 @@ class FlashAttentionD1Sm100:
     # /////////////////////////////////////////////////////////////////////////////////////
     @cute.jit
     def correction(
-        self, tma_atom_o, mO, mLSE, sq_base, o_smem, n_tiles, tmem, tmem_barrier, epi_barrier,
-        pv_ready, o_full, stats, sStats, t, warp, m_blk, half, h, b,
+        self, tma_atom_o, mO, mO_mem, mLSE, sq_base, o_smem, n_tiles, tmem, tmem_barrier, epi_barrier,
+        pv_ready, o_full, stats, sStats, t, warp, m_blk, half, h, b, n_rows, mSink,
     ):  # fmt: skip
         plan = self.plan
         tmem.wait_for_alloc()
         tmem_base = tmem.retrieve_ptr(Float32)
         tmem_map = SmemPTmemMap.packed(self.dtype, plan)
         tO = tmem_map.o().at(tmem_base)
-        tiled_o_load, o_chunks = make_acc_tmem_load(tO, EPI_COLS)
+        tiled_o_load, o_chunks = self.o_load(tmem_base)
         tiled_o_store, _ = make_acc_tmem_store(tO, EPI_COLS)
         thr_o_load = tiled_o_load.get_slice(t)
         tTR_tO = thr_o_load.partition_S(o_chunks)
         tRT_tO = tiled_o_store.get_slice(t).partition_D(o_chunks)
-        tTR_cO = thr_o_load.partition_D(epi_view(cute.make_identity_tensor((QK_TILE_M, plan.o_cols)), EPI_COLS))
+        tTR_cO = self.o_row_part(thr_o_load, cute.make_identity_tensor((QK_TILE_M, plan.o_cols)))
         tTR_rO = cute.make_rmem_tensor(tTR_cO[None, None, None, 0, 0].shape, Float32)
         row = tTR_cO[0][0]
 
@@ -737,28 +838,44 @@ class FlashAttentionD1Sm100:
         row_max_x = sStats[row, 1]
         stats.consumer_release(warp)
         q_row = m_blk * QK_TILE_M + row
-        if half == 0 and q_row < rows(mLSE):  # both halves of O compute the same LSE; one writes it
-            mLSE[q_row, h, b] = (row_max_x + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
+        lse = (row_max_x + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
+        if half == 0 and q_row < n_rows:  # both halves of O compute the same LSE; one writes it
+            mLSE[q_row, h, b] = lse
 
         sO = cute.make_tensor(cute.recast_ptr(sq_base, o_smem.inner, dtype=self.dtype), o_smem.outer)[None, None, 0]
-        tTR_sO = thr_o_load.partition_D(epi_view(sO, EPI_COLS))
+        tTR_sO = self.o_row_part(thr_o_load, sO)
         o_full.wait(0, 0)
         fence_after_thread_sync()
         inv_row_sum = cute.arch.rcp_approx(row_sum)
         if const_expr(self.may_hide_rows()):  # a row that saw no key: O = 0 (not 0 * inf); LSE is -inf already
             inv_row_sum = Float32(0.0) if row_sum == Float32(0.0) else inv_row_sum
+        inv_row_sum = self.row_scale(inv_row_sum, lse, mSink, q_row, h)
         o_row_to_smem(tiled_o_load, tTR_tO, tTR_sO, tTR_rO, inv_row_sum, self.dtype)
 
         cute.arch.fence_view_async_shared()  # sO visible to the TMA (async proxy)
         epi_barrier.arrive_and_wait()
-        if t == 0:  # one thread issues the store; bulk groups are per thread
-            gO = cute.local_tile(mO[None, None, h, b], (QK_TILE_M, plan.o_cols), (m_blk, half))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(tma_atom_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM must outlive the TMA's reads
+        if const_expr(self.varlen):
+            rows_left = n_rows - m_blk * QK_TILE_M
+            if self.o_by_tma(rows_left):  # uniform per CTA
+                self.store_o_tma(tma_atom_o, mO, sO, t, m_blk, half, h, b)
+            else:  # the tile straddles the request's end: the next request's rows must stay untouched
+                if self.row_stored(row, rows_left):
+                    o_row_smem_to_gmem(tTR_sO, self.o_row_part(thr_o_load, self.o_tile(mO_mem, m_blk, half, h, b)))
+        else:
+            self.store_o_tma(tma_atom_o, mO, sO, t, m_blk, half, h, b)
 
         fence_before_thread_sync()
         tmem_barrier.arrive()  # every tcgen05.ld of O has completed (waited in o_row_to_smem)
+
+    @cute.jit
+    def store_o_tma(self, tma_atom_o, mO, sO, t, m_blk, half, h, b):
+        """The staged O tile (sO, complete: after the epilogue barrier) -> one TMA store of its
+        (QK_TILE_M, o_cols) box; rows past the tensor's end are clipped by TMA."""
+        if t == 0:  # one thread issues the store; bulk groups are per thread
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                cute.group_modes(self.o_tile(mO, m_blk, half, h, b), 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_atom_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM must outlive the TMA's reads

@@ -80,15 +80,15 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
-from common.compile import SMEM_LIMIT
-from common.kv_span import KvSpan
-from common.layouts import check_attention_operands, seq_major
-from common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
-from common.pack_heads import rows
-from common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
-from common.sm90_epilogue import store_lse
-from common.sm90_epilogue import store_o as epilogue_store_o
-from common.sm90_gemm import (
+from dsv4_attention.common.compile import SMEM_LIMIT
+from dsv4_attention.common.kv_span import KvSpan
+from dsv4_attention.common.layouts import check_attention_operands, seq_major
+from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
+from dsv4_attention.common.pack_heads import rows
+from dsv4_attention.common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from dsv4_attention.common.sm90_epilogue import store_lse
+from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
+from dsv4_attention.common.sm90_gemm import (
     REGISTERS,
     SMEM_ALIGN,
     THREADS_PER_WARPGROUP,
@@ -100,10 +100,10 @@ from common.sm90_gemm import (
     make_tma_tile_atom,
     tile_tma_partition,
 )
-from common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_views
-from common.sm90_producer import load_q, load_q_k_v
-from common.smem_p import make_p_smem_layout, store_p
-from common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
+from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_views
+from dsv4_attention.common.sm90_producer import load_q, load_q_k_v
+from dsv4_attention.common.smem_p import make_p_smem_layout, store_p
+from dsv4_attention.common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SPLIT_FROM = 320  # head dims from which two warpgroups split O's columns
@@ -205,8 +205,12 @@ class FlashAttentionD1Sm90:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
         mSeqUsedK: cute.Tensor | None = None,
-        window_left: cutlass.Int32 | None = None,
-        window_right: cutlass.Int32 | None = None,
+        window_left: cutlass.Int32 = None,
+        window_right: cutlass.Int32 = None,
+        mCuSeqlensQ: cute.Tensor | None = None,
+        mCuSeqlensK: cute.Tensor | None = None,
+        max_seqlen_q: cutlass.Int32 = None,
+        mSink: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -257,12 +261,15 @@ class FlashAttentionD1Sm90:
             raise ValueError(f"shared storage {SharedStorage.size_in_bytes()} B exceeds {SMEM_LIMIT} B")
 
         grid = (cute.ceil_div(rows(mQ), self.tile_m), mQ.shape[2], mQ.shape[3])
+        if cutlass.const_expr(self.varlen):  # tiles of the longest request x heads x requests
+            grid = (cute.ceil_div(max_seqlen_q * self.pack_group, self.tile_m), mQ.shape[2],
+                    mCuSeqlensQ.shape[0] - 1)
         self.kernel(
             qk_mma, pv_mma,
-            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mO,
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
-            mSeqUsedK, window_left, window_right,
+            mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -275,6 +282,7 @@ class FlashAttentionD1Sm90:
     uses_seqused_k = False  # D3: per-request key counts
     has_left = has_right = False  # D4: window bounds (causal: right = 0)
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
+    varlen = False  # D3: requests packed along the tokens (cu_seqlens)
 
     def kv_length(self, mSeqUsedK, batch, seqlen_k):
         """The keys of request ``batch`` (D3: seqused_k[batch])."""
@@ -287,7 +295,7 @@ class FlashAttentionD1Sm90:
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
-        return self.uses_seqused_k or self.has_left or self.has_right
+        return self.uses_seqused_k or self.has_left or self.has_right or self.varlen
 
     def masks_inner_tiles(self) -> bool:
         """Whether tiles after the first visited one can straddle a boundary (window edges)."""
@@ -298,6 +306,18 @@ class FlashAttentionD1Sm90:
         tiles them, Q and O (rows, head_dim, heads, batch), LSE (batch, heads, rows). One
         row per token here; stage D2 folds query heads into the rows."""
         return mQ, mO, mLSE
+
+    def row_scale(self, inv_sum, lse, mSink, tScS, m_block, head):
+        """The seam of the epilogue's per-row scale: ``inv_sum[i]`` (1 / row sum, which
+        normalises O) of this thread's row i may be scaled further, given its LSE (natural log).
+        Nothing here; stage D5 multiplies by the attention sink's sigmoid."""
+
+    def request_views(self, batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK):
+        """The seam where stage D3's variable-length batches change what a request is:
+        (mQ, mK, mV, mO, mO_mem, mLSE, b, rows, seqlen_k) = the views to index with batch
+        coordinate b, the request's (packed) row count and its key count. Here a request is a
+        batch entry of the tensors (b = batch)."""
+        return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
     @cute.kernel
     def kernel(
@@ -312,6 +332,7 @@ class FlashAttentionD1Sm90:
         mV: cute.Tensor,
         tma_atom_o: cute.CopyAtom,
         mO: cute.Tensor,
+        mO_mem: cute.Tensor,  # O's memory (mO is the TMA view): D3 varlen's predicated stores
         mLSE: cute.Tensor,
         scale_log2: cutlass.Float32,
         sQ_layout: cute.ComposedLayout,
@@ -321,81 +342,88 @@ class FlashAttentionD1Sm90:
         mSeqUsedK: cute.Tensor | None,
         window_left: cutlass.Int32 | None,
         window_right: cutlass.Int32 | None,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSink: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.longest_first):  # causal: the tiles with the most keys start first
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         head_kv = head // (mQ.shape[2] // mK.shape[2])
+        mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
+            batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
 
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_q)
-            cpasync.prefetch_descriptor(tma_atom_k)
-            cpasync.prefetch_descriptor(tma_atom_o)
-            if cutlass.const_expr(not self.kv_shared):
-                cpasync.prefetch_descriptor(tma_atom_v)
-
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        q_bar = storage.q_bar.ptr
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(q_bar, 1)
-        tile_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
-        if cutlass.const_expr(self.kv_shared):
-            chunks = self.head_dim // CHUNK_COLS
-            pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
-                                     tile_bytes // chunks, self.consumer_threads // 32)
-            pipeline_v = None
-            self.init_ring(pipeline_k, warp_idx)
-        else:
-            pipeline_k = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.k_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
-                consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
-            )
-            pipeline_v = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.v_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
-                consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
-            )
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        # K = V: V's views are K's bytes
-        v_buf = storage.sK if self.kv_shared else storage.sV
-        sV = v_buf.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sVt = v_buf.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
-
-        d = self.head_dim
-        seqlen_k = self.kv_length(mSeqUsedK, batch, mK.shape[0])
-        span = self.kv_span(m_block, rows(mQ), seqlen_k, window_left, window_right)
-        origin, n_blocks = span.origin, span.n_tiles
-        # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
-        mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, batch])
-        mV_hb = cute.domain_offset((origin, 0), mV[None, None, head_kv, batch])
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (None, 0))
-        gK = cute.local_tile(mK_hb, (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV_hb, (self.tile_n, d), (None, 0))
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+        # a tile past its request's rows (varlen: the grid spans the longest request) has no work
+        if m_block * self.tile_m < n_rows:
             if warp_idx == 0:
-                self.load(
-                    q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
-                    tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK_hb,
+                cpasync.prefetch_descriptor(tma_atom_q)
+                cpasync.prefetch_descriptor(tma_atom_k)
+                cpasync.prefetch_descriptor(tma_atom_o)
+                if cutlass.const_expr(not self.kv_shared):
+                    cpasync.prefetch_descriptor(tma_atom_v)
+
+            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+            q_bar = storage.q_bar.ptr
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(q_bar, 1)
+            tile_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+            if cutlass.const_expr(self.kv_shared):
+                chunks = self.head_dim // CHUNK_COLS
+                pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
+                                         tile_bytes // chunks, self.consumer_threads // 32)
+                pipeline_v = None
+                self.init_ring(pipeline_k, warp_idx)
+            else:
+                pipeline_k = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=storage.k_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
+                    consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
                 )
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(
-                qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
-                sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, mLSE, scale_log2,
-                m_block, head, batch, rows(mQ), span,
-            )
+                pipeline_v = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=storage.v_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
+                    consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
+                )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
+
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+            # K = V: V's views are K's bytes
+            v_buf = storage.sK if self.kv_shared else storage.sV
+            sV = v_buf.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+            sVt = v_buf.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
+
+            d = self.head_dim
+            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right)
+            origin, n_blocks = span.origin, span.n_tiles
+            # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
+            mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, b])
+            mV_hb = cute.domain_offset((origin, 0), mV[None, None, head_kv, b])
+            gQ = cute.local_tile(mQ[None, None, head, b], (self.tile_m, d), (None, 0))
+            gO = cute.local_tile(mO[None, None, head, b], (self.tile_m, d), (None, 0))
+            gO_mem = cute.local_tile(mO_mem[None, None, head, b], (self.tile_m, d), (None, 0))
+            gK = cute.local_tile(mK_hb, (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(mV_hb, (self.tile_n, d), (None, 0))
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.load(
+                        q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
+                        tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK_hb,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(
+                    qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
+                    sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE, scale_log2,
+                    m_block, head, b, n_rows, span, mSink,
+                )
 
     @cute.jit
     def init_ring(self, ring: KvChunkRing, warp_idx: cutlass.Int32):
@@ -465,6 +493,7 @@ class FlashAttentionD1Sm90:
         row_stats: cute.Tensor,
         tma_atom_o: cute.CopyAtom,
         gO: cute.Tensor,
+        gO_mem: cute.Tensor,
         mLSE: cute.Tensor,
         scale_log2: cutlass.Float32,
         m_block: cutlass.Int32,
@@ -472,6 +501,7 @@ class FlashAttentionD1Sm90:
         batch: cutlass.Int32,
         seqlen_q: cutlass.Int32,
         span: KvSpan,
+        mSink: cute.Tensor | None,
     ):
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -569,8 +599,9 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(self.split):
             total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
         inv_sum = softmax.finalize(total)
+        self.row_scale(inv_sum, softmax.lse, mSink, tScS, m_block, head)
         scale_rows(acc_o, inv_sum)
-        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
+        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, seqlen_q - m_block * self.tile_m)
         if cutlass.const_expr(self.split):
             if wg == 0:  # both halves hold the same rows' LSE; warpgroup 0's keys start at 0
                 store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
@@ -712,25 +743,39 @@ class FlashAttentionD1Sm90:
             gemm(pv_mma, acc_o, tOrP, tOrV[None, None, None, v_index], zero_init=False)
 
     @cute.jit
-    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx):
+    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, rows_left):
         """O (normalized) -> 16 bits -> SMEM over sQ -> one TMA store (common/sm90_epilogue.py).
         split: warpgroup w writes its columns; where the halves overlap (320, 448) warpgroup 1
-        skips the columns warpgroup 0 writes."""
+        skips the columns warpgroup 0 writes. varlen: a tile with fewer than tile_m rows left in
+        its request goes from sO to global memory row by row, rows < rows_left only (the TMA box
+        would write the next request's rows); the choice is uniform per CTA."""
+        if cutlass.const_expr(self.varlen):
+            if rows_left < self.tile_m:
+                self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx,
+                                 gO_rows=gO_mem[None, None, m_block], rows_left=rows_left)
+            else:
+                self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
+        else:
+            self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
+
+    @cute.jit
+    def store_o_tma(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, gO_rows=None, rows_left=None):
         barrier_id = int(Sm90FwdBarrier.EPILOGUE)
         is_store_warp = tidx // 32 == 0
+        rows = {"gO_rows": gO_rows, "rows_left": rows_left, "tidx": tidx}
         if cutlass.const_expr(self.split):
             sO_w = cute.local_tile(cute.domain_offset((0, wg * self.o_col1), sQ[None, None, 0]),
                                    (WGMMA_M, self.o_width), (0, 0))
             if cutlass.const_expr(self.o_col1 == self.o_width):
                 epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
-                                 is_store_warp, sO_mine=sO_w)
+                                 is_store_warp, sO_mine=sO_w, **rows)
             else:
                 overlap = self.o_width - self.o_col1
                 epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
-                                 is_store_warp, sO_mine=sO_w, skip_cols=wg * overlap)
+                                 is_store_warp, sO_mine=sO_w, skip_cols=wg * overlap, **rows)
         else:
             epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
-                             is_store_warp)
+                             is_store_warp, **rows)
 
     @cute.jit
     def scheduler_wait(self, wg: cutlass.Int32):

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from common import interface, jit
+from dsv4_attention.common import interface, jit
 
 ID = "d2"
 NAME = "pack_heads"
@@ -22,8 +22,8 @@ ADDS = "query heads sharing a KV head packed into the rows of a Q tile (one KV l
 HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {
-    "sm90": "stages.d2_pack_heads.sm90:FlashAttentionD2Sm90",
-    "sm100": "stages.d2_pack_heads.sm100:FlashAttentionD2Sm100",
+    "sm90": "dsv4_attention.stages.d2_pack_heads.sm90:FlashAttentionD2Sm90",
+    "sm100": "dsv4_attention.stages.d2_pack_heads.sm100:FlashAttentionD2Sm100",
 }
 #: the compile-time variants CI compiles and budgets (kernel keyword options)
 VARIANTS = ({"kv_shared": True, "pack_group": 128}, {"kv_shared": False, "pack_group": 8})

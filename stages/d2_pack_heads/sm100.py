@@ -8,9 +8,9 @@ hk * g + r % g. The 128-row Q tile is one TMA box of the folded Q when g divides
 O store (TMA) and LSE writes (thread t owns row t) address through the same fold.
 """
 
-from common.pack_heads import fold_heads, packable
-from common.tmem import QK_TILE_M
-from stages.d1_smem_p.sm100 import FlashAttentionD1Sm100
+from dsv4_attention.common.pack_heads import fold_heads, packable
+from dsv4_attention.common.tmem import QK_TILE_M
+from dsv4_attention.stages.d1_smem_p.sm100 import FlashAttentionD1Sm100
 
 
 class FlashAttentionD2Sm100(FlashAttentionD1Sm100):

@@ -16,8 +16,8 @@ Which groups pack (whole TMA boxes, tiles starting on a token):
         CTAs per token, 64 heads each)
 """
 
-from common.pack_heads import fold_heads, packable
-from stages.d1_smem_p.sm90 import FlashAttentionD1Sm90
+from dsv4_attention.common.pack_heads import fold_heads, packable
+from dsv4_attention.stages.d1_smem_p.sm90 import FlashAttentionD1Sm90
 
 
 class FlashAttentionD2Sm90(FlashAttentionD1Sm90):

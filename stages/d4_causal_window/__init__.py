@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from common import interface, jit
-from common.validation import check_window
-from stages.d2_pack_heads import tile_rows
+from dsv4_attention.common import interface, jit
+from dsv4_attention.common.validation import check_window
+from dsv4_attention.stages.d2_pack_heads import tile_rows
 
 ID = "d4"
 NAME = "causal_window"
@@ -23,8 +23,8 @@ ADDS = "causal and sliding-window masks: only the KV tiles of a Q tile's span ar
 HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {
-    "sm90": "stages.d4_causal_window.sm90:FlashAttentionD4Sm90",
-    "sm100": "stages.d4_causal_window.sm100:FlashAttentionD4Sm100",
+    "sm90": "dsv4_attention.stages.d4_causal_window.sm90:FlashAttentionD4Sm90",
+    "sm100": "dsv4_attention.stages.d4_causal_window.sm100:FlashAttentionD4Sm100",
 }
 #: what the CPU demo compiles at every head dim: DeepSeek-V4's window branch (left and right bounds)
 DEMO_OPTIONS = {"pack_group": 64, "seqused_k": True, "has_left": True, "has_right": True}
@@ -39,9 +39,12 @@ def example_args(dtype: torch.dtype, head_dim: int, **options):
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
-            seqused_k: torch.Tensor | None = None, pack_gqa: bool | None = None, out=None, lse_out=None,
+            seqused_k: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None, pack_gqa: bool | None = None, out=None, lse_out=None,
             p_in_smem: bool | None = None):
-    """Stage D3's attention (heads packed, seqused_k) restricted to a causal / sliding window.
+    """Stage D3's attention (heads packed, seqused_k or variable-length batches) restricted to a
+    causal / sliding window (aligned per request).
 
     causal: right bound 0. window_size: (left, right), each an int >= 0 or None (unbounded).
     DeepSeek-V4's window branch is ``causal=True, window_size=(127, 0)``.
@@ -49,7 +52,9 @@ def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False
     window = check_window(causal, window_size)
     return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
                                               tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,
-                                              seqused_k=seqused_k, window=window)
+                                              seqused_k=seqused_k, window=window, cu_seqlens_q=cu_seqlens_q,
+                                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                              max_seqlen_k=max_seqlen_k)
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(None, None)) -> int:
@@ -70,9 +75,9 @@ def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, wind
 
 def demo_case(device, head_dim: int = 512):
     """bf16 DeepSeek-V4 window branch: 128 heads on one KV head, K = V, 4096 tokens, causal, window (127, 0)."""
-    from common import bench
-    from common.reference import attention
-    from common.testing import errors, random_bshd
+    from dsv4_attention.common import bench
+    from dsv4_attention.common.reference import attention
+    from dsv4_attention.common.testing import errors, random_bshd
 
     q = random_bshd(1, 4096, 128, head_dim, torch.bfloat16, device)
     kv = random_bshd(1, 4096, 1, head_dim, torch.bfloat16, device)

@@ -18,7 +18,7 @@ With 128 heads of one token packed into the rows and a (127, 0) window, a Q tile
 exactly 128 keys: two 64-key tiles at head dim 512, not three half-masked ones.
 """
 
-from stages.d3_lengths.sm100 import FlashAttentionD3Sm100
+from dsv4_attention.stages.d3_lengths.sm100 import FlashAttentionD3Sm100
 
 
 class FlashAttentionD4Sm100(FlashAttentionD3Sm100):

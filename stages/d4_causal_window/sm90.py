@@ -15,7 +15,7 @@ With 128 heads of one token packed into the rows and a (127, 0) window, a Q tile
 exactly 128 keys: two 64-key tiles, not three half-masked ones.
 """
 
-from stages.d3_lengths.sm90 import FlashAttentionD3Sm90
+from dsv4_attention.stages.d3_lengths.sm90 import FlashAttentionD3Sm90
 
 
 class FlashAttentionD4Sm90(FlashAttentionD3Sm90):

@@ -1,0 +1,148 @@
+"""Compiled kernels across processes: a directory of exported objects, keyed so that a stale
+one is never served.
+
+CuTeDSL's own file cache (``CUTE_DSL_CACHE_DIR``) serves ``@cute.jit`` functions called
+directly; the ``cute.compile`` results this library launches never reach it (its directory
+stays empty), so a fresh process recompiled every configuration (1.4-2.1 s on the H100).
+Here each compiled kernel is exported with the DSL's AOT path (``export_to_c``: an object file
+holding the host launcher and the cubin) and a later process loads it
+(``cutlass.cute.runtime.load_module``: milliseconds) instead of compiling.
+
+The entry's name is a hash of everything the binary depends on:
+
+    sha256(kernel (stage, arch, dtype, head dim, compile-time options),
+           the source of every .py file of the library (common/ and stages/),
+           the CuTeDSL version)
+
+so editing any kernel source, or upgrading the DSL, changes every name: the old entries are
+never looked up again (``clear`` deletes them). Entries are written to a temporary name and
+renamed into place, so a reader never sees half a file; an entry that fails to load is
+recompiled and rewritten.
+
+Directory: ``$DSV4_ATTENTION_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv4_attention``, else
+``~/.cache/dsv4_attention``. ``DSV4_ATTENTION_DISABLE_CACHE=1`` turns it off (every process
+compiles). ``python -m dsv4_attention.common.kernel_cache [info|clear]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import sys
+import tempfile
+
+ENV_DIR = "DSV4_ATTENTION_CACHE_DIR"
+ENV_DISABLE = "DSV4_ATTENTION_DISABLE_CACHE"
+
+#: what this process did: entries loaded from the directory, kernels compiled, entries written
+stats = {"loaded": 0, "compiled": 0, "written": 0}
+_digest: list = []
+
+
+def directory() -> pathlib.Path | None:
+    """The cache directory, or None when the cache is disabled."""
+    if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+        return None
+    if os.environ.get(ENV_DIR):
+        return pathlib.Path(os.environ[ENV_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "dsv4_attention"
+
+
+def hash_sources(roots, dsl_version: str) -> str:
+    """sha256 over the .py files under ``roots`` ({name: directory}: paths and contents) and the DSL version."""
+    h = hashlib.sha256(f"cutlass-dsl {dsl_version}\n".encode())
+    for name, root in sorted(roots.items()):
+        root = pathlib.Path(root)
+        for p in sorted(root.rglob("*.py")):
+            if "__pycache__" not in p.parts:
+                h.update(f"{name}/{p.relative_to(root).as_posix()}\n".encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def source_digest() -> str:
+    """This library's sources and CuTeDSL version, hashed once per process."""
+    if not _digest:
+        import cutlass
+
+        from dsv4_attention import common, stages
+
+        roots = {pkg.__name__: pkg.__path__[0] for pkg in (common, stages)}
+        _digest.append(hash_sources(roots, getattr(cutlass, "__version__", "?")))
+    return _digest[0]
+
+
+def entry_name(key) -> str:
+    """The entry's name (a C identifier: it is also the exported symbol prefix)."""
+    return "dsv4_" + hashlib.sha256(f"{key!r}\n{source_digest()}".encode()).hexdigest()[:40]
+
+
+def load_or_compile(key, compile_fn):
+    """The compiled function for ``key`` (a repr-stable tuple): loaded from the directory if an
+    entry of this key and these sources exists, else ``compile_fn()``, then exported there."""
+    d = directory()
+    if d is None:
+        stats["compiled"] += 1
+        return compile_fn()
+    name = entry_name(key)
+    path = d / f"{name}.o"
+    if path.is_file():
+        try:
+            from cutlass.cute.runtime import load_module
+
+            fn = load_module(str(path))[name]
+            stats["loaded"] += 1
+            return fn
+        except Exception as e:  # noqa: BLE001 - a damaged entry is recompiled, never fatal
+            print(f"dsv4_attention: cache entry {path} did not load ({type(e).__name__}: {e}); recompiling",
+                  file=sys.stderr)
+    fn = compile_fn()
+    stats["compiled"] += 1
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=d, prefix=".tmp-") as tmp:
+            fn.export_to_c(tmp, name)
+            os.replace(os.path.join(tmp, f"{name}.o"), path)
+        stats["written"] += 1
+    except Exception as e:  # noqa: BLE001 - a read-only disk or a kernel the DSL cannot export costs a
+        # recompile in the next process, nothing more
+        print(f"dsv4_attention: could not write cache entry {path}: {type(e).__name__}: {str(e)[-300:]}",
+              file=sys.stderr)
+    return fn
+
+
+def entries(d: pathlib.Path | None = None) -> list[pathlib.Path]:
+    d = directory() if d is None else d
+    return sorted(d.glob("dsv4_*.o")) if d is not None and d.is_dir() else []
+
+
+def clear() -> int:
+    """Delete every entry; returns how many."""
+    found = entries()
+    for p in found:
+        p.unlink(missing_ok=True)
+    return len(found)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[0] if argv else "info"
+    d = directory()
+    if cmd == "clear":
+        print(f"removed {clear()} entries from {d}")
+    elif cmd == "info":
+        found = entries()
+        size = sum(p.stat().st_size for p in found)
+        print(f"directory: {d if d is not None else f'(disabled by {ENV_DISABLE})'}")
+        print(f"entries:   {len(found)} ({size / 2**20:.1f} MiB)")
+        print(f"sources:   {source_digest()[:16]} (entries of other sources are never served)")
+    else:
+        print("usage: python -m dsv4_attention.common.kernel_cache [info|clear]", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
