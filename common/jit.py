@@ -80,6 +80,16 @@ def kernel_class(kernels: dict, arch: str):
     return getattr(importlib.import_module(module), name)
 
 
+def kernel_maker(kernels: dict):
+    """A stage's ``make_kernel(arch, dtype, head_dim, **options)`` hook: its kernel object for a
+    torch dtype and the compile-time options (stages D1 on)."""
+
+    def make_kernel(arch: str, dtype, head_dim: int, **options):
+        return kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options)
+
+    return make_kernel
+
+
 def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args, options: dict | None = None):
     """The compiled kernel of a stage for (arch, dtype, head dim, compile-time options),
     compiled on first use."""

@@ -121,7 +121,7 @@ class KvSpan:
         return values
 
     def __new_from_mlir_values__(self, values):
-        new = object.__new__(KvSpan)
+        new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         at = 0
         for name, n in zip(self._DYNAMIC, self._counts, strict=True):

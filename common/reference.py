@@ -74,3 +74,65 @@ def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, ca
         sink = learnable_sink.to(device=q.device, dtype=torch.float64)
         o = o * torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]
     return o, lse
+
+
+def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, softmax_scale=None, seqused_k=None,
+                    causal: bool = False, window_size=(None, None), learnable_sink=None, positions=None):
+    """Stage E: one softmax over the window's keys and the compressed entries, float64.
+
+    Query i of batch b sits at t' = positions[i] (default i + n_k - seqlen_q, n_k = seqused_k[b] or
+    seqlen_k: D4's bottom-right alignment) and sees raw key j iff j < n_k and
+    t' - left <= j <= t' + right (bounds that are not None; causal: right = 0), and compressed
+    entry j iff j < floor((t' + 1) / compress_ratio) (t' + 1 > 0). ``v`` None: K = V. Returns
+    (O [b, sq, h, d], LSE [b, h, sq]) as ``attention``, the sink applied to O only."""
+    v = kv if v is None else v
+    b, sq, h, _ = q.shape
+    sk = kv.shape[1]
+    left, right = window_size
+    if causal:
+        right = 0
+    dev = q.device
+    n_k = (torch.full((b,), sk, device=dev) if seqused_k is None else seqused_k.to(dev).long())
+    if positions is None:
+        tp = torch.arange(sq, device=dev)[None, :] + (n_k - sq)[:, None]  # [b, sq]
+    else:
+        tp = positions.to(dev).long()[None, :].expand(b, sq)
+    j = torch.arange(sk, device=dev)[None, None, :]
+    t3 = tp[:, :, None]
+    vis = j < n_k[:, None, None]
+    if left is not None:
+        vis = vis & (j >= t3 - left)
+    if right is not None:
+        vis = vis & (j <= t3 + right)
+    s = qk_scores(q, kv, softmax_scale).masked_fill(~vis[:, None], -math.inf)  # [b, h, sq, sk]
+    values = _expand_kv(v, h).to(torch.float64)
+    if compressed_kv is not None:
+        nc = compressed_kv.shape[1]
+        count = torch.clamp(t3 + 1, min=0) // compress_ratio  # [b, sq, 1]
+        jc = torch.arange(nc, device=dev)[None, None, :]
+        s_c = qk_scores(q, compressed_kv, softmax_scale).masked_fill(~(jc < count)[:, None], -math.inf)
+        s = torch.cat([s, s_c], dim=-1)
+        values = torch.cat([values, _expand_kv(compressed_kv, h).to(torch.float64)], dim=1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("bhij,bjhd->bihd", p, values)
+    if learnable_sink is not None:
+        sink = learnable_sink.to(device=dev, dtype=torch.float64)
+        o = o * torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]
+    return o, lse
+
+
+def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
+    """The spec's reference (../shared/spec/dsv4-attention.md), in float64: q [T, H, d], kv [N, d]
+    (K = V), idx [T, K] int32 rows of kv (-1 = none), idx_len [T] (entries past it ignored), sink
+    [H] or None. Returns (O [T, H, d], LSE [T, H]); a row with no valid index: O = 0, LSE = -inf."""
+    T, K = idx.shape
+    valid = (idx >= 0) & (torch.arange(K, device=idx.device)[None] < idx_len[:, None])
+    g = kv[idx.clamp(min=0).long()].to(torch.float64)  # [T, K, d]
+    s = torch.einsum("thd,tkd->thk", q.to(torch.float64), g) * scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, -1)
+    o = torch.einsum("thk,tkd->thd", torch.exp(s - lse[..., None]).nan_to_num(0.0), g)
+    if sink is not None:
+        o = o * torch.sigmoid(lse - sink.to(torch.float64))[..., None]
+    return o.nan_to_num(0.0), lse

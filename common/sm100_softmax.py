@@ -32,6 +32,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from dsv4_attention.common.compressed import compressed_count
+
 #: log2 units a row's max may grow before the warp rescales (FlashAttention-4's value)
 RESCALE_THRESHOLD = 8.0
 
@@ -116,6 +118,12 @@ def visible_columns(keys, first_key):
     lo <= c < hi visible (keys >= 0 always: tiles start at the span's origin >= 0)."""
     lo, hi = keys
     return (None if lo is None else lo - first_key), hi - first_key
+
+
+def visible_entries(span, packed_row):
+    """Stage E: the compressed entries [0, count) packed row ``packed_row`` of ``span``'s Q tile (a
+    ``FusedSpan``) sees: ``compressed_count`` of its token. Per row, once per CTA, as ``visible_keys``."""
+    return compressed_count(packed_row // span.group, span.seqlen_q, span.seqlen_k, span.ratio, span.n_compressed)
 
 
 @cute.jit

@@ -120,6 +120,24 @@ def attention_inputs(b, sq, sk, h, hk, d, dtype, *, kv_shared=False, magnitude=1
 
 #: forward options that change which keys a row sees; the reference takes them too
 MASK_OPTIONS = ("seqused_k", "causal", "window_size", "learnable_sink")
+#: stage E's compressed entries: with them the reference is ``reference.fused_attention``
+COMPRESSED_OPTIONS = ("compressed_kv", "compress_ratio")
+
+
+def reference_for(q, k, v, options: dict):
+    """The float64 reference of one call with these forward options: ``reference.attention``, or
+    ``reference.fused_attention`` where compressed entries are given."""
+    from dsv4_attention.common.reference import attention, fused_attention
+
+    if options.get("compressed_kv") is not None:
+        return fused_attention(q, k, v, **{n: options[n] for n in MASK_OPTIONS + COMPRESSED_OPTIONS if n in options})
+    return attention(q, k, v, **{n: options[n] for n in MASK_OPTIONS if n in options})
+
+
+def recorded_options(options: dict) -> dict:
+    """Options as the report records them: small tensors as lists, large ones by their shape."""
+    return {n: (f"tensor{list(x.shape)}" if isinstance(x, torch.Tensor) and x.numel() > 256
+                else x.tolist() if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
 
 
 def check_attention(forward, q, k, v, record, g, **case):
@@ -129,7 +147,6 @@ def check_attention(forward, q, k, v, record, g, **case):
     (the masking ones, MASK_OPTIONS, go to the reference too). Rows with no visible key must come
     back exactly O = 0 and LSE = -inf."""
     from dsv4_attention.common.interface import same_memory
-    from dsv4_attention.common.reference import attention
 
     b, sq, h, _ = q.shape
     options = case.get("options", {})
@@ -137,7 +154,7 @@ def check_attention(forward, q, k, v, record, g, **case):
     lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
     forward(q, k, v, out=o, lse_out=lse, **options)
     torch.cuda.synchronize()
-    o_ref, lse_ref = attention(q, k, v, **{n: options[n] for n in MASK_OPTIONS if n in options})
+    o_ref, lse_ref = reference_for(q, k, v, options)
     e = errors(o, o_ref)
     empty = torch.isneginf(lse_ref)
     finite = ~empty
@@ -146,7 +163,7 @@ def check_attention(forward, q, k, v, record, g, **case):
     if not lse_ok:
         lse_err = math.inf
     empty_rows_zero = bool((o.transpose(1, 2)[empty] == 0).all())
-    recorded = {n: (x.tolist() if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
+    recorded = recorded_options(options)
     case = dict(dtype=str(q.dtype), head_dim=q.shape[3], shape=list(q.shape), seqlen_k=k.shape[1],
                 kv_shared=same_memory(k, v), lse_abs=lse_err, empty_rows=int(empty.sum()),
                 **{**case, "options": recorded})
@@ -205,7 +222,7 @@ def check_varlen(forward, q, k, v, cu_q, cu_k, record, g, **case):
         empty_ok &= bool((o[None, qs].transpose(1, 2)[empty] == 0).all())
     e = errors(torch.cat(outs, 1), torch.cat(refs, 1)) if outs else None
     untouched = bool(o[cq[-1]:].isnan().all()) and bool(lse[:, cq[-1]:].isnan().all())
-    recorded = {n: (x.tolist() if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
+    recorded = recorded_options(options)
     case = dict(dtype=str(q.dtype), head_dim=q.shape[2], shape=list(q.shape), q_lens=[b - a for a, b in
                 zip(cq, cq[1:], strict=False)], k_lens=[b - a for a, b in zip(ck, ck[1:], strict=False)],
                 kv_shared=same_memory(k, v), lse_abs=lse_err, **{**case, "options": recorded})

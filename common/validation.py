@@ -186,6 +186,25 @@ def check_sink(learnable_sink, heads: int, device) -> None:
         raise ValueError(f"learnable_sink must be contiguous; got stride {learnable_sink.stride()}")
 
 
+def check_compressed(compressed_kv, compress_ratio, k, v) -> None:
+    """DeepSeek-V4's compressed entries: [batch, entries, kv_heads, head_dim] like k (dtype, device,
+    batch, kv heads, head_dim, TMA strides; 0 entries allowed), K = V like the window's keys (k and
+    v one tensor), and a compression ratio that is an int >= 1."""
+    if compressed_kv is None or compress_ratio is None:
+        raise ValueError("compressed_kv and compress_ratio go together: pass both (or neither)")
+    if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or not 1 <= compress_ratio < 2**31:
+        raise ValueError(f"compress_ratio must be a positive int; got {compress_ratio!r}")
+    check_bshd("compressed_kv", compressed_kv, (k.shape[3],), min_seqlen=0)
+    check_same("k", k, "compressed_kv", compressed_kv)
+    b, _, hk, _ = k.shape
+    if compressed_kv.shape[0] != b or compressed_kv.shape[2] != hk:
+        raise ValueError(f"compressed_kv must be [batch = {b}, entries, kv_heads = {hk}, head_dim]; got "
+                         f"{tuple(compressed_kv.shape)}")
+    if v is not None and not (v is k or (v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+                                         and v.shape == k.shape)):
+        raise ValueError("compressed entries are K = V rows: pass the window's keys as one tensor (k is v)")
+
+
 def check_window(causal, window_size) -> tuple:
     """(left, right) with None for an unbounded side; causal means right = 0. Bounds are
     non-negative ints: no sentinel (such as -1) stands for "no window"."""

@@ -40,32 +40,36 @@ def _load(pkg: str) -> Stage:
 STAGES: list[Stage] = [
     _load(p)
     for p in ("a_qk_gemm", "b_p_onchip", "c_online_softmax", "d1_smem_p", "d2_pack_heads", "d3_lengths",
-              "d4_causal_window", "d5_sink_merge")
+              "d4_causal_window", "d5_sink_merge", "e_fused")
 ]
 
 
 #: the stage behind :func:`attention`: the newest one, serving every case the earlier stages do
-FINAL = "d5"
+FINAL = "e"
 
 
-def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
-              seqused_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = None,
+              softmax_scale: float | None = None, causal: bool = False, window_size=(None, None), seqused_k=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, learnable_sink=None, pack_gqa: bool | None = None, out=None,
               lse_out=None):
     """The library's attention (``from dsv4_attention import attention``): softmax(q k^T scale) v
     with FlashAttention-4's conventions, computed by the newest stage (:data:`FINAL`).
 
     q [batch, seqlen_q, heads, head_dim], k and v [batch, seqlen_k, kv_heads, head_dim] (bf16 or
-    fp16, head dims 64-512, the same tensor as k and v for K = V); ``causal`` and ``window_size``
+    fp16, head dims 64-512; v None or the same tensor as k: K = V); ``causal`` and ``window_size``
     (left, right) with bottom-right alignment; ``seqused_k`` [batch] int32 keys per request;
     ``pack_gqa`` folds the query heads of a KV head into a tile's rows (None: by shape).
     Variable-length batches: ``cu_seqlens_q`` / ``cu_seqlens_k`` ([requests + 1] int32) over q
     [total_q, heads, head_dim] and k, v [total_k, kv_heads, head_dim] (lse then [heads, total_q]).
     ``learnable_sink`` ([heads] fp32): the attention sink, O *= sigmoid(LSE - sink[h]).
-    Returns (o like q, lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row
-    with no visible key has O = 0 and LSE = -inf).
+    DeepSeek-V4: ``attention(q, kv, compressed_kv=ckv, compress_ratio=128, window_size=(127, 0),
+    learnable_sink=sink)`` attends, in one softmax, to the window and to the compressed entries
+    j < floor((t' + 1) / ratio) (stage E). Returns (o like q, lse [batch, heads, seqlen_q] fp32,
+    natural log, without the sink; a row with no visible key has O = 0 and LSE = -inf).
     """
-    return get(FINAL).forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+    return get(FINAL).forward(q, k, v, compressed_kv=compressed_kv, compress_ratio=compress_ratio,
+                              softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
                               pack_gqa=pack_gqa, out=out, lse_out=lse_out)

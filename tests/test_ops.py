@@ -126,3 +126,59 @@ def test_cuda_graph_replay_equals_eager(arch, stage_id):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager)
+
+
+# ---- stage E: the fused kernel (the import a user takes) -----------------------------------------
+
+
+def test_fake_fused_shapes_and_schema():
+    q, kv, c = meta(2, 10, 128, 512), meta(2, 30, 1, 512), meta(2, 7, 1, 512)
+    o, lse = op("e")(q, kv, kv, compressed_kv=c, compress_ratio=4, causal=True, window_left=127)
+    assert o.shape == q.shape and lse.shape == (2, 128, 10) and lse.dtype == torch.float32
+    torch.library.opcheck(op("e"), (q, kv, kv), {"compressed_kv": c, "compress_ratio": 4},
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="does not take compressed_kv"):
+        ops._stage_kwargs(stages.get("d5"), None, False, None, None, None, None, compressed_kv=c, compress_ratio=4)
+
+
+def fused_branch(q, kv, c, sink):
+    o, lse = torch.ops.dsv4_attention.e_fused(q, kv, kv, causal=True, window_left=127, learnable_sink=sink,
+                                              compressed_kv=c, compress_ratio=4)
+    return o * 2, lse
+
+
+def fused_inputs():
+    q, kv, _, g = attention_inputs(2, 200, 200, 128, 1, 512, torch.bfloat16, kv_shared=True)
+    c = torch.randn(2, 50, 1, 512, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    return q, kv, c, torch.randn(128, generator=g).cuda()
+
+
+@pytest.mark.stage_e
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_fused_torch_compile_fullgraph_equals_eager(arch):
+    args = fused_inputs()
+    eager = fused_branch(*args)
+    compiled = torch.compile(fused_branch, fullgraph=True)(*args)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.stage_e
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_fused_cuda_graph_replay_equals_eager(arch):
+    args = fused_inputs()
+    o_eager, lse_eager = fused_branch(*args)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_branch(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph, lse_graph = fused_branch(*args)
+    for _ in range(2):
+        o_graph.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager)

@@ -274,6 +274,39 @@ def sink_row(dev, s: int) -> dict:
     return row
 
 
+def bench_stage_e(dev) -> list:
+    """DeepSeek-V4's HCA layer in one launch (stage E: window (127, 0) + the compressed entries of
+    ratio 128 + sink; 128 heads on one K = V head, hd 512) against its window branch alone (stage
+    D5, same run): what the compressed entries cost inside the one softmax. No public kernel
+    computes this function on Hopper (FlashMLA's sparse kernel takes index lists: the index mode,
+    not built yet), so there is no outside peer for this row."""
+    rows = [fused_row(dev, s) for s in (8192, 32768)]
+    torch.cuda.empty_cache()
+    return rows
+
+
+def fused_row(dev, s: int, ratio: int = 128) -> dict:
+    from dsv4_attention.stages import d5_sink_merge, e_fused
+
+    q = random_bshd(1, s, 128, 512, torch.bfloat16, dev)
+    kv = random_bshd(1, s, 1, 512, torch.bfloat16, dev)
+    ckv = random_bshd(1, s // ratio, 1, 512, torch.bfloat16, dev)
+    sink = torch.randn(128, device=dev)
+    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": sink}
+    ms = bench.time_ms([lambda: e_fused.forward(q, kv, compressed_kv=ckv, compress_ratio=ratio, **kw)])
+    ms_w = bench.time_ms([lambda: d5_sink_merge.forward(q, kv, kv, **kw)])
+    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), ratio, s // ratio)
+    flop_w = d5_sink_merge.flops(1, s, s, 128, 512, True, (127, 0))
+    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + {s // ratio} entries (ratio {ratio}) sq{s} hd512 "
+           f"k_eq_v sink bf16", "head_dim": 512, "seqlen": s, "kind": "fused window + compressed (HCA)",
+           "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
+           "peers": {"d5_window_only": round(bench.tflops(flop_w, ms_w), 1)},
+           "peer_ms": {"d5_window_only": round(ms_w, 4)}, "time_ratio_vs": {"d5_window_only": round(ms / ms_w, 3)}}
+    print(f"stage e {row['case']}: {ms:.3f} ms ({row['ours_tflops']} TFLOP/s) vs window only {ms_w:.3f} ms",
+          flush=True)
+    return row
+
+
 def varlen_row(stage, dev, d, h, hk, requests=16, seed=0) -> dict:
     """A causal prefill batch of ``requests`` uneven requests (256-4096 tokens each, random with a
     fixed seed) as one variable-length call, ours against FlashAttention-4's varlen call on the
@@ -384,7 +417,8 @@ def bench_calls(dev) -> list:
 
 
 BENCHES = {"calls": bench_calls, "a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1,
-           "d2": bench_stage_d2, "d3": bench_stage_d3, "d4": bench_stage_d4, "d5": bench_stage_d5}
+           "d2": bench_stage_d2, "d3": bench_stage_d3, "d4": bench_stage_d4, "d5": bench_stage_d5,
+           "e": bench_stage_e}
 
 
 def run(stages=None) -> list:

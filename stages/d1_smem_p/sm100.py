@@ -85,6 +85,9 @@ Seams for later stages (class attributes and methods, defaults: one row per toke
                      rescale factor is 1 and the correction writes O = 0 (1 / l := 0), LSE = -inf.
                      Compiled in only then.
     longest_first    D4 causal: Q tiles scheduled last tile first (``q_tile_of``).
+    has_compressed   E: a second K = V source (its own TMA atom, K's box) whose tiles come first in
+                     the span's index space: the TMA warp picks each tile's source (``load_k_block``,
+                     ``compressed_tma_view``), the softmax its columns (``row_keys``, ``tile_columns``).
 
 Warp roles (320 threads; setmaxnreg not used: stage C's one-Q-tile budget, 168 registers each)
 ---------------------------------------------------------------------------------------------
@@ -277,6 +280,8 @@ class FlashAttentionD1Sm100:
         mCuSeqlensK: cute.Tensor | None = None,
         max_seqlen_q: cutlass.Int32 = None,
         mSink: cute.Tensor | None = None,
+        mCompressed: cute.Tensor | None = None,
+        compress_ratio: cutlass.Int32 = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -320,6 +325,13 @@ class FlashAttentionD1Sm100:
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), o, cute.select(o_smem, mode=[0, 1]), (QK_TILE_M, plan.o_cols)
         )
+        # stage E's compressed entries: a second K = V source whose blocks land in the same ring
+        # stages, so the same box as K's (K's atom and view stand in where unused, compiled out)
+        tma_atom_c, tma_c = tma_atom_k, tma_k
+        if const_expr(self.has_compressed):
+            tma_atom_c, tma_c = cute.nvgpu.make_tiled_tma_atom_B(
+                op, seq_major(mCompressed), k_block, (QK_TILE_M, plan.tile_n, plan.d_block), qk_mma
+            )
 
         fields = {
             "q_mbar": cute.struct.MemRange[Int64, 2],
@@ -348,7 +360,7 @@ class FlashAttentionD1Sm100:
         self.kernel(
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink,
+            mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink, tma_atom_c, tma_c, compress_ratio,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
@@ -372,6 +384,7 @@ class FlashAttentionD1Sm100:
     varlen = False  # D3: requests packed along the tokens (cu_seqlens_q / cu_seqlens_k)
     has_left = has_right = False  # D4: window bounds (causal: right = 0)
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
+    has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
 
     def q_tile_of(self, bx, grid_x):
         """(m_blk, half): the Q tile of CTA ``bx`` and which o_cols-wide part of O it owns. Both
@@ -397,8 +410,11 @@ class FlashAttentionD1Sm100:
         ``batch`` is a batch entry of the tensors."""
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right) -> KvSpan:
-        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py)."""
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0,
+                n_compressed=0) -> KvSpan:
+        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py; stage
+        E adds compressed tiles in front, common/compressed.py: ``n_compressed`` entries, ratio
+        ``compress_ratio``, both ignored here)."""
         return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
                       window_right, self.has_left, self.has_right)
 
@@ -475,6 +491,9 @@ class FlashAttentionD1Sm100:
         mCuSeqlensK: cute.Tensor | None,  # tokens and keys
         max_seqlen_q: Int32 | None,  # D3 varlen: the longest request's queries (sized the grid)
         mSink: cute.Tensor | None,  # D5: (heads,) fp32 attention sink
+        tma_atom_c: cute.CopyAtom,  # E: the compressed entries' atom (K's where unused)
+        mC: cute.Tensor,  # E: TMA view (entries, head_dim, kv_heads, batch); K's where unused
+        compress_ratio: Int32 | None,  # E: entry j is visible to position t' iff j < (t' + 1) // ratio
     ):
         bx, h, request = cute.arch.block_idx()
         m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
@@ -483,7 +502,7 @@ class FlashAttentionD1Sm100:
             request, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
         args = (qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
                 scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-                n_rows, seqlen_k, mSink)
+                n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio)
         if const_expr(self.varlen):
             # the grid spans the longest request: a tile past its request's rows loads and stores
             # nothing (uniform per CTA: no thread reaches a barrier)
@@ -496,7 +515,7 @@ class FlashAttentionD1Sm100:
     def tile(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
         scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-        n_rows, seqlen_k, mSink,
+        n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio,
     ):  # fmt: skip
         """One CTA's work: Q tile m_blk (O half ``half``) of head h (KV head hk) of request b, on the
         request's views (``request_views``: n_rows packed rows, seqlen_k keys)."""
@@ -505,7 +524,7 @@ class FlashAttentionD1Sm100:
         tidx, _, _ = cute.arch.thread_idx()
         # the Q tile's keys: KV tile n holds keys span.origin + n * tile_n ..; both O halves of a
         # Q tile (o_split) compute the same span from the same m_blk
-        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right)
+        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0])
         n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:
@@ -514,6 +533,8 @@ class FlashAttentionD1Sm100:
             if const_expr(not self.kv_shared):
                 cpasync.prefetch_descriptor(tma_atom_v)
             cpasync.prefetch_descriptor(tma_atom_o)
+            if const_expr(self.has_compressed):
+                cpasync.prefetch_descriptor(tma_atom_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
 
@@ -551,7 +572,7 @@ class FlashAttentionD1Sm100:
         if warp_idx == self.tma_warp:
             self.load(
                 qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span.origin, n_tiles,
+                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC,
             )  # fmt: skip
 
         if warp_idx == self.mma_warp:
@@ -579,16 +600,18 @@ class FlashAttentionD1Sm100:
     @cute.jit
     def load(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, origin, n_tiles,
+        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC,
     ):  # fmt: skip
         plan = self.plan
+        n_tiles = span.n_tiles
         gQ = cute.local_tile(mQ[None, None, h, b], (QK_TILE_M, plan.head_dim), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
             cute.group_modes(qk_mma.get_slice(0).partition_A(gQ), 0, 3),
         )  # fmt: skip
         tKsK, tKgK, tVsV, tVgV = self.kv_tma_views(qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b,
-                                                   origin)
+                                                   span.origin)
+        tCgC = self.compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b)
 
         stage = q_producer.acquire_and_advance()
         cute.copy(tma_atom_q, tQgQ[None, m_blk], tQsQ[None, 0], tma_bar_ptr=stage.barrier)
@@ -597,8 +620,9 @@ class FlashAttentionD1Sm100:
             tile = n_tiles - 1 - it
             for kb in cutlass.range_constexpr(plan.blocks):  # ring uses it * U + kb
                 stage = ring_producer.acquire_and_advance()
-                cute.copy(tma_atom_k, tKgK[None, tile, kb], tKsK[None, stage.index], tma_bar_ptr=stage.barrier)
-            if const_expr(not self.kv_shared):
+                self.load_k_block(span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, tKsK[None, stage.index],
+                                  stage.barrier)
+            if const_expr(not self.kv_shared):  # K != V: never with compressed entries (K = V rows)
                 for vb in cutlass.range_constexpr(plan.v_blocks):  # ring uses it * U + blocks + vb
                     stage = ring_producer.acquire_and_advance()
                     cute.copy(
@@ -606,6 +630,26 @@ class FlashAttentionD1Sm100:
                     )
         # every stage's last release (tcgen05.commit) has arrived before this warp exits
         ring_producer.tail()
+
+    @cute.jit
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
+        """K block kb of KV tile ``tile`` of the span -> ring stage ``dst``. The seam of stage E, whose
+        tiles below span.n_cmp come from the compressed entries (``tCgC``); here every tile is K's."""
+        cute.copy(tma_atom_k, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
+
+    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b):
+        """Stage E: tCgC[None, n, kb] is K block kb of compressed tile n, a (tile_n, d_block) box of
+        (entries, head_dim) at entry n * tile_n (no origin: entries are not windowed; past the tensor
+        zero-filled, and masked); the same box and ring stages as K's. None where unused."""
+        if not self.has_compressed:
+            return None
+        plan = self.plan
+        gC = cute.local_tile(mC[None, None, hk, b], (plan.tile_n, plan.d_block), (None, None))
+        _, tCgC = cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            cute.group_modes(qk_mma.get_slice(0).partition_B(gC), 0, 3),
+        )  # fmt: skip
+        return tCgC
 
     def kv_tma_views(self, qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b, origin):
         """The ring's TMA partitions: tKgK[None, tile, kb] is K block kb of KV tile ``tile``, a
@@ -723,11 +767,16 @@ class FlashAttentionD1Sm100:
         """The keys [lo, hi) this softmax thread's row sees (its row: value 0's, the same for every value)."""
         return visible_keys(span, m_blk * QK_TILE_M + tTR_cS[0][0])
 
+    def tile_columns(self, span: KvSpan, keys, n):
+        """(lo, hi): the columns lo <= c < hi of KV tile n this row sees (lo None: no lower bound), from
+        its ``row_keys``. Stage E's seam (a compressed tile's columns are its entries below the row's count)."""
+        return visible_columns(keys, span.first_key(n))
+
     @cute.jit
     def mask_s_row(self, s_row: cute.Tensor, tTR_cS: cute.Tensor, span: KvSpan, keys, it):
         """Keys of visit ``it`` (KV tile n_tiles - 1 - it) outside the row's ``keys`` -> -inf
         (common/sm100_softmax.py; run on the host for every thread in tests/test_d34_sm100_host.py)."""
-        lo, hi = visible_columns(keys, span.first_key(span.n_tiles - 1 - it))
+        lo, hi = self.tile_columns(span, keys, span.n_tiles - 1 - it)
         if const_expr(self.masks_inner_tiles()):
             # any visit may straddle a window edge: each bound is applied where it cuts this row's
             # tile (kv_span.tile_needs_mask per row: a tile that passes it cuts no row)

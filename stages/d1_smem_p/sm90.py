@@ -211,6 +211,8 @@ class FlashAttentionD1Sm90:
         mCuSeqlensK: cute.Tensor | None = None,
         max_seqlen_q: cutlass.Int32 = None,
         mSink: cute.Tensor | None = None,
+        mCompressed: cute.Tensor | None = None,
+        compress_ratio: cutlass.Int32 = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -234,6 +236,12 @@ class FlashAttentionD1Sm90:
         else:
             tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, self.tile_n, d)
         tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
+        # the fused stage's compressed entries: a second K = V source, the same chunked boxes (a
+        # placeholder copy of K's atom where unused, compiled out)
+        tma_atom_c, tma_c = tma_atom_k, tma_k
+        if cutlass.const_expr(self.has_compressed):
+            tma_atom_c, tma_c = make_tma_tile_atom(load, seq_major(mCompressed), chunk_layout, self.tile_n,
+                                                   CHUNK_COLS)
         # K = V: KvChunkRing's full (slot x chunk) and empty (slot) barriers; else the K and
         # V pipelines' full + empty barriers
         if cutlass.const_expr(self.kv_shared):
@@ -269,7 +277,7 @@ class FlashAttentionD1Sm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mO,
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
-            mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink,
+            mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -283,13 +291,15 @@ class FlashAttentionD1Sm90:
     has_left = has_right = False  # D4: window bounds (causal: right = 0)
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
     varlen = False  # D3: requests packed along the tokens (cu_seqlens)
+    has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
 
     def kv_length(self, mSeqUsedK, batch, seqlen_k):
         """The keys of request ``batch`` (D3: seqused_k[batch])."""
         return seqlen_k
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right) -> KvSpan:
-        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py)."""
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed) -> KvSpan:
+        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py;
+        the fused stage adds compressed tiles in front, common/compressed.py)."""
         return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
                       self.has_left, self.has_right)
 
@@ -345,6 +355,9 @@ class FlashAttentionD1Sm90:
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
         mSink: cute.Tensor | None,
+        tma_atom_c: cute.CopyAtom,
+        mC: cute.Tensor,  # compressed entries (seqlen_c, head_dim, kv_heads, batch); K's view where unused
+        compress_ratio: cutlass.Int32 | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -362,6 +375,8 @@ class FlashAttentionD1Sm90:
                 cpasync.prefetch_descriptor(tma_atom_o)
                 if cutlass.const_expr(not self.kv_shared):
                     cpasync.prefetch_descriptor(tma_atom_v)
+                if cutlass.const_expr(self.has_compressed):
+                    cpasync.prefetch_descriptor(tma_atom_c)
 
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
             q_bar = storage.q_bar.ptr
@@ -399,7 +414,7 @@ class FlashAttentionD1Sm90:
             row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
 
             d = self.head_dim
-            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right)
+            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0])
             origin, n_blocks = span.origin, span.n_tiles
             # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
             mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, b])
@@ -416,6 +431,7 @@ class FlashAttentionD1Sm90:
                     self.load(
                         q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
                         tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK_hb,
+                        tma_atom_c, mC[None, None, head_kv, b], span,
                     )
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -453,6 +469,9 @@ class FlashAttentionD1Sm90:
         gV: cute.Tensor,
         sV: cute.Tensor,
         mK_hb: cute.Tensor,  # K's (seqlen, d) of this (kv head, batch): K = V's chunked loads
+        tma_atom_c: cute.CopyAtom,
+        mC_hb: cute.Tensor,  # the compressed entries' (seqlen_c, d) (fused stage)
+        span: KvSpan,
     ):
         """K[L], Q, then the tiles in the order the consumers need them: K = V, KV[n] for
         n = L-1 .. 0 (one load serves both GEMMs); otherwise (K[n - 1], V[n]) pairs as
@@ -463,15 +482,24 @@ class FlashAttentionD1Sm90:
             ring = pipeline_k
             n_last = n_blocks - 1
             tKsK, tKgK = chunk_views(tma_atom_k, mK_hb, sK, self.tile_n)
-            ring.load(0, tma_atom_k, tKgK, tKsK, n_last)
+            tCgC = None
+            if cutlass.const_expr(self.has_compressed):
+                _, tCgC = chunk_views(tma_atom_c, mC_hb, sK, self.tile_n)
+            self.load_kv(ring, 0, n_last, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC)
             load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
             for i in cutlass.range(n_last, unroll=1):
-                ring.load(i + 1, tma_atom_k, tKgK, tKsK, n_last - 1 - i)
+                self.load_kv(ring, i + 1, n_last - 1 - i, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC)
         else:  # stage C's order (common/sm90_producer.py)
             tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
             tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
             load_q_k_v(q_bar, pipeline_k, pipeline_v, self.slots, n_blocks, m_block, q_bytes,
                        tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
+
+    @cute.jit
+    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC):
+        """K = V: ring use t <- KV tile n of the span. The seam of the fused stage, whose tiles
+        n < n_cmp come from the compressed entries (``tCgC``); here every tile is K's."""
+        ring.load(t, tma_atom_k, tKgK, tKsK, n)
 
     # -------------------------------------------------------------------------------
     # Consumers: warpgroups 1..W
@@ -534,7 +562,7 @@ class FlashAttentionD1Sm90:
         warpgroup.wait_group(0)
         if cutlass.const_expr(not self.kv_shared):
             pipeline_k.consumer_release(state)
-        span.mask(acc_s, tScS, n_blocks - 1, m_block * self.tile_m)
+        self.mask_s(span, acc_s, tScS, n_blocks - 1, m_block * self.tile_m, first=True)
         softmax.update(acc_s, is_first=True, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg))
         self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
         acc_o.fill(0.0)
@@ -564,8 +592,7 @@ class FlashAttentionD1Sm90:
             warpgroup.wait_group(1)  # S(n) complete; PV may still run
             if cutlass.const_expr(not self.kv_shared):
                 pipeline_k.consumer_release(state)
-            if cutlass.const_expr(self.masks_inner_tiles()):
-                span.mask_if_needed(acc_s, tScS, n_blocks - 2 - i, m_block * self.tile_m)
+            self.mask_s(span, acc_s, tScS, n_blocks - 2 - i, m_block * self.tile_m, first=False)
             row_scale = softmax.update(
                 acc_s, is_first=False, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg)
             )
@@ -659,7 +686,6 @@ class FlashAttentionD1Sm90:
             wg_qk = qk_mma.get_slice(0)
             wg_pv = pv_mma.get_slice(0)
             sK_w, sVt_w = self.split_operand_views(sK, sVt, wg)
-            keys = cute.local_tile(cute.make_identity_tensor((WGMMA_M, self.tile_n)), (WGMMA_M, self.wg_keys), (0, wg))
         else:
             thr_qk = qk_mma.get_slice(tidx)
             thr_pv = pv_mma.get_slice(tidx)
@@ -667,7 +693,6 @@ class FlashAttentionD1Sm90:
             wg_pv = pv_mma.get_slice(wg * THREADS_PER_WARPGROUP)
             sK_w = sK
             sVt_w = sVt
-            keys = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tSrQ = qk_mma.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0]  # (MMA, 1, d/16)
         tSrK = qk_mma.make_fragment_B(wg_qk.partition_B(sK_w))  # (MMA, 1, d/16, slots)
         tOrV = pv_mma.make_fragment_B(wg_pv.partition_B(sVt_w))  # (MMA, 1, N/16, slots)
@@ -676,8 +701,27 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(self.p_in_smem):
             tOrP_smem = pv_mma.make_fragment_A(wg_pv.partition_A(sP))  # (MMA, 1, N/16, buffers)
             tPsP = self.p_store_view(sP, wg, thr_qk)
-        tScS = thr_qk.partition_C(keys)  # (row, key) of every S value within the tile
+        tScS = self.s_coords(wg, thr_qk)
         return tSrQ, tSrK, tOrV, tOrP_smem, tPsP, tScS, thr_qk, thr_pv
+
+    def s_coords(self, wg, thr_qk: cute.ThrMma) -> cute.Tensor:
+        """(row, key) within the (tile_m, tile_n) tile of every S value of this thread: its QK
+        partition of the whole tile (rows) or of its warpgroup's keys [32 w, 32 w + 32) (split)."""
+        keys = cute.make_identity_tensor((self.qk_rows() if self.split else self.tile_m, self.tile_n))
+        if cutlass.const_expr(self.split):
+            keys = cute.local_tile(keys, (WGMMA_M, self.wg_keys), (0, wg))
+        return thr_qk.partition_C(keys)
+
+    @cute.jit
+    def mask_s(self, span: KvSpan, acc_s: cute.Tensor, tScS: cute.Tensor, n, first_row,
+               first: cutlass.Constexpr[bool]):
+        """Scores of KV tile n that a row may not see -> -inf: on the first tile visited always (it
+        holds the span's last key, the only keys past seqlen_k), on later ones where the span says
+        the tile straddles an edge (windows, compressed entries)."""
+        if cutlass.const_expr(first):
+            span.mask(acc_s, tScS, n, first_row)
+        elif cutlass.const_expr(self.masks_inner_tiles()):
+            span.mask_if_needed(acc_s, tScS, n, first_row)
 
     @cute.jit
     def split_operand_views(self, sK: cute.Tensor, sVt: cute.Tensor, wg):

@@ -31,12 +31,9 @@ VARIANTS = ({"kv_shared": True, "pack_group": 128}, {"kv_shared": False, "pack_g
 DEMO_OPTIONS = {"pack_group": 64}
 
 
-def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
-    return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
-
-
-def example_args(dtype: torch.dtype, head_dim: int, **options):
-    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
+make_kernel = jit.kernel_maker(KERNELS)
+#: CPU arguments to compile against (the kernels are shape-dynamic)
+example_args = interface.attention_example_args
 
 
 @functools.cache

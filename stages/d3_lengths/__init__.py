@@ -31,12 +31,9 @@ KERNELS = {
 DEMO_OPTIONS = {"pack_group": 64, "seqused_k": True}
 
 
-def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
-    return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
-
-
-def example_args(dtype: torch.dtype, head_dim: int, **options):
-    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
+make_kernel = jit.kernel_maker(KERNELS)
+#: CPU arguments to compile against (the kernels are shape-dynamic)
+example_args = interface.attention_example_args
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, seqused_k: torch.Tensor | None = None,

@@ -20,7 +20,7 @@ from dsv4_attention.common import interface, jit
 from dsv4_attention.common.merge import merge_attention
 from dsv4_attention.common.validation import check_window
 from dsv4_attention.stages.d2_pack_heads import tile_rows
-from dsv4_attention.stages.d4_causal_window import flops, visible_pairs  # noqa: F401 - the same FLOPs as D4
+from dsv4_attention.stages.d4_causal_window import flops  # noqa: F401 - the same FLOPs as D4
 
 ID = "d5"
 NAME = "sink_merge"
@@ -37,12 +37,9 @@ DEMO_OPTIONS = {"pack_group": 64, "has_left": True, "has_right": True, "has_sink
 __all__ = ["forward", "merge_attention", "apply_sink", "flops"]
 
 
-def make_kernel(arch: str, dtype: torch.dtype, head_dim: int, **options):
-    return jit.kernel_class(KERNELS, arch)(jit.cutlass_dtype(dtype), head_dim, **options)
-
-
-def example_args(dtype: torch.dtype, head_dim: int, **options):
-    return interface.attention_example_args(dtype, head_dim, seqlen_k=1000, **options)
+make_kernel = jit.kernel_maker(KERNELS)
+#: CPU arguments to compile against (the kernels are shape-dynamic)
+example_args = interface.attention_example_args
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, learnable_sink: torch.Tensor | None = None,

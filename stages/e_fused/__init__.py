@@ -1,0 +1,104 @@
+"""Stage E: DeepSeek-V4's attention in one launch: the sliding window and the compressed entries in
+one softmax, with the sink.
+
+For every query token t (absolute position t' = t + seqlen_k - seqlen_q, D4's bottom-right
+alignment) and head h, one softmax over the union of
+
+1. the raw keys D4's window and D3's lengths leave visible (DeepSeek-V4: ``window_size=(127, 0)``,
+   keys t' - 127 .. t'), and
+2. the compressed entries j < floor((t' + 1) / compress_ratio) of ``compressed_kv`` (HCA layers:
+   ratio 128, every visible entry),
+
+then O *= sigmoid(LSE - sink[h]) (D5). Both key sets are K = V rows of the same head_dim: the
+kernel streams their tiles through one SMEM ring into one online softmax (common/compressed.py),
+so the result is the exact softmax over the union, not a merge of two rounded halves. Without
+``compressed_kv`` this is stage D5. Not yet here: top-k compressed entries (CSA: ``topk_indices``),
+FlashMLA's index mode, ``positions``, and compressed entries with ``cu_seqlens`` (ValueError).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attention.common import interface, jit
+from dsv4_attention.common.compressed import compressed_visible  # noqa: F401 - the formula, for callers
+from dsv4_attention.common.validation import check_window
+from dsv4_attention.stages.d2_pack_heads import tile_rows
+from dsv4_attention.stages.d4_causal_window import visible_pairs
+
+ID = "e"
+NAME = "fused"
+ADDS = "window + compressed entries in one softmax, one launch (DeepSeek-V4's HCA attention with its sink)"
+HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
+DTYPES = (torch.bfloat16, torch.float16)
+KERNELS = {
+    "sm90": "dsv4_attention.stages.e_fused.sm90:FlashAttentionESm90",
+    "sm100": "dsv4_attention.stages.e_fused.sm100:FlashAttentionESm100",
+}
+#: what the CPU demo compiles at every head dim: DeepSeek-V4's HCA layer (window, sink, compressed)
+DEMO_OPTIONS = {"kv_shared": True, "pack_group": 64, "has_left": True, "has_right": True, "has_sink": True,
+                "has_compressed": True}
+
+__all__ = ["forward", "flops"]
+
+
+make_kernel = jit.kernel_maker(KERNELS)
+#: CPU arguments to compile against (the kernels are shape-dynamic)
+example_args = interface.attention_example_args
+
+
+def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress_ratio: int | None = None,
+            softmax_scale: float | None = None, learnable_sink: torch.Tensor | None = None, causal: bool = False,
+            window_size=(None, None), seqused_k: torch.Tensor | None = None,
+            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
+            out=None, lse_out=None, p_in_smem: bool | None = None):
+    """Stage D5's attention over the window's keys plus the compressed entries.
+
+    ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
+    [batch, entries, kv_heads, head_dim] (K = V rows, k's dtype) with ``compress_ratio`` (int >= 1):
+    entry j is visible to query i iff j < floor((i + seqlen_k - seqlen_q + 1) / ratio). Returns
+    (o, lse), lse over both key sets, without the sink."""
+    if v is None:
+        v = k
+    window = check_window(causal, window_size)
+    return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
+                                              tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,
+                                              seqused_k=seqused_k, window=window, cu_seqlens_q=cu_seqlens_q,
+                                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                              max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
+                                              compressed_kv=compressed_kv, compress_ratio=compress_ratio)
+
+
+def compressed_pairs(seqlen_q: int, seqlen_k: int, ratio: int, entries: int) -> int:
+    """Visible (query, compressed entry) pairs of one head."""
+    return sum(min(entries, max(i + seqlen_k - seqlen_q + 1, 0) // ratio) for i in range(seqlen_q))
+
+
+def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None),
+          compress_ratio: int | None = None, entries: int = 0) -> int:
+    pairs = visible_pairs(seqlen_q, seqlen_k, causal, window_size)
+    if compress_ratio is not None:
+        pairs += compressed_pairs(seqlen_q, seqlen_k, compress_ratio, entries)
+    return 4 * batch * heads * pairs * head_dim
+
+
+def demo_case(device, head_dim: int = 512):
+    """bf16 DeepSeek-V4 HCA layer: 128 heads on one KV head, K = V, 4096 tokens, window (127, 0),
+    32 compressed entries (ratio 128), sink."""
+    from dsv4_attention.common import bench
+    from dsv4_attention.common.reference import fused_attention
+    from dsv4_attention.common.testing import errors, random_bshd
+
+    s = 4096
+    q = random_bshd(1, s, 128, head_dim, torch.bfloat16, device)
+    kv = random_bshd(1, s, 1, head_dim, torch.bfloat16, device)
+    ckv = random_bshd(1, s // 128, 1, head_dim, torch.bfloat16, device)
+    sink = torch.randn(128, device=device)
+    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": sink, "compressed_kv": ckv,
+          "compress_ratio": 128}
+    o, _ = forward(q, kv, **kw)
+    rows = slice(s - 256, s)  # the last tokens see the most entries
+    e = errors(o[:, rows], fused_attention(q[:, rows], kv, **kw, positions=torch.arange(s - 256, s))[0])
+    ms = bench.time_ms([lambda: forward(q, kv, **kw)])
+    return e, ms, bench.tflops(flops(1, s, s, 128, head_dim, True, (127, 0), 128, s // 128), ms)

@@ -1,0 +1,133 @@
+"""Stage E without a GPU: the float64 reference of the fused softmax against the spec's own form
+(one gathered index list per token) and against the exact merge of its two halves; the compressed
+entries' validation; the FLOP count; the sm90 kernel's compile budgets."""
+
+import pytest
+import torch
+
+from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.common.compressed import compressed_count, compressed_visible
+from dsv4_attention.common.merge import merge_attention
+from dsv4_attention.common.reference import attention, dsv4_index_attention, fused_attention
+from dsv4_attention.common.validation import check_compressed
+from dsv4_attention.stages import e_fused as stage
+
+pytestmark = [pytest.mark.stage_e]
+
+
+def spec_index_list(T: int, window: int, ratio: int, n_c: int):
+    """[T, window + n_c] int32 rows of cat(kv, compressed): token t's window rows t - window + 1 .. t
+    then its visible entries j < (t + 1) / ratio (offset by T), -1 elsewhere (the spec's padding)."""
+    t = torch.arange(T)[:, None]
+    k = torch.arange(window + n_c)[None, :]
+    win = t - (window - 1) + k
+    return torch.where(k < window, torch.where(win >= 0, win, -1),
+                       torch.where(k - window < torch.clamp((t + 1) // ratio, max=n_c), T + k - window, -1)).int()
+
+
+@pytest.mark.parametrize("T,H,ratio,n_c", [(200, 4, 4, 50), (300, 2, 128, 2), (130, 3, 4, 10)])
+def test_fused_reference_is_the_spec_function(T, H, ratio, n_c):
+    g = torch.Generator().manual_seed(T + ratio)
+    d = 64
+    q, kv, ckv = (torch.randn(1, n, h, d, generator=g, dtype=torch.float64) for n, h in ((T, H), (T, 1), (n_c, 1)))
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    o, lse = fused_attention(q, kv, compressed_kv=ckv, compress_ratio=ratio, causal=True, window_size=(127, 0),
+                             learnable_sink=sink, softmax_scale=d ** -0.5)
+    idx = spec_index_list(T, 128, ratio, n_c)
+    o_ref, lse_ref = dsv4_index_attention(q[0], torch.cat([kv[0, :, 0], ckv[0, :, 0]]), idx,
+                                          torch.full((T,), idx.shape[1]), sink, scale=d ** -0.5)
+    assert torch.allclose(o[0], o_ref, atol=1e-12), (o[0] - o_ref).abs().max()
+    assert torch.allclose(lse[0].transpose(0, 1), lse_ref, atol=1e-12)
+
+
+def test_checker_rejects_an_off_by_one_spec_list():
+    """Negative control of the test above: entries j < t / r (not (t + 1) / r) change the result."""
+    T, H, ratio, n_c, d = 64, 2, 4, 20, 32
+    g = torch.Generator().manual_seed(1)
+    q, kv, ckv = (torch.randn(1, n, h, d, generator=g, dtype=torch.float64) for n, h in ((T, H), (T, 1), (n_c, 1)))
+    o, _ = fused_attention(q, kv, compressed_kv=ckv, compress_ratio=ratio, causal=True, window_size=(127, 0),
+                           softmax_scale=d ** -0.5)
+    idx = spec_index_list(T, 128, ratio, n_c)
+    t = torch.arange(T)[:, None]
+    j = torch.arange(n_c)[None]
+    off = idx.clone()
+    off[:, 128:] = torch.where(j < torch.clamp(t // ratio, max=n_c), T + j, -1).int()
+    o_bad, _ = dsv4_index_attention(q[0], torch.cat([kv[0, :, 0], ckv[0, :, 0]]), off, torch.full((T,), off.shape[1]),
+                                    None, scale=d ** -0.5)
+    assert not torch.allclose(o[0], o_bad, atol=1e-6)
+
+
+def test_fused_reference_is_the_merge_of_its_halves():
+    g = torch.Generator().manual_seed(5)
+    T, n_c, d = 150, 40, 32
+    q, kv, ckv = (torch.randn(2, n, h, d, generator=g, dtype=torch.float64) for n, h in ((T, 4), (T, 1), (n_c, 1)))
+    o, lse = fused_attention(q, kv, compressed_kv=ckv, compress_ratio=4, window_size=(31, 0))
+    o1, l1 = attention(q, kv, kv, window_size=(31, 0))
+    # the compressed half alone: entry j visible to token t iff j < (t + 1) / 4, as a key mask
+    s_vis = torch.tensor([[compressed_visible(i, j, T, T, 4, n_c) for j in range(n_c)] for i in range(T)])
+    scores = torch.einsum("bihd,bjd->bhij", q, ckv[:, :, 0]) * d ** -0.5
+    scores = scores.masked_fill(~s_vis, float("-inf"))
+    l2 = torch.logsumexp(scores, -1)
+    o2 = torch.einsum("bhij,bjd->bihd", torch.exp(scores - l2[..., None]).nan_to_num(0.0), ckv[:, :, 0])
+    o_m, l_m = merge_attention(o1, l1, o2, l2)
+    # merge_attention computes in fp32 (its contract): agreement to fp32 rounding
+    assert torch.allclose(o, o_m.double(), atol=2e-6) and torch.allclose(lse, l_m.double(), atol=2e-6)
+
+
+def test_count_is_the_formula():
+    for sq, sk in ((10, 10), (5, 300), (300, 5)):
+        for ratio in (1, 4, 128):
+            for n_c in (0, 3, 1000):
+                for i in range(sq):
+                    c = compressed_count(i, sq, sk, ratio, n_c)
+                    assert c == sum(compressed_visible(i, j, sq, sk, ratio, n_c) for j in range(n_c + 2))
+
+
+def test_flops_count_both_key_sets():
+    want = sum(min(9, (i + 1) // 4) + min(i + 1, 128) for i in range(40))
+    assert stage.flops(1, 40, 40, 1, 1, True, (127, 0), 4, 9) == 4 * want
+
+
+def kv_like(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((None, 4), "go together"),
+    ((kv_like(2, 8, 1, 512), None), "go together"),
+    ((kv_like(2, 8, 1, 512), 0), "positive int"),
+    ((kv_like(2, 8, 1, 512), 2.0), "positive int"),
+    ((kv_like(2, 8, 1, 512), False), "positive int"),
+    ((kv_like(2, 8, 1, 512, dtype=torch.float16), 4), "dtype"),
+    ((kv_like(1, 8, 1, 512), 4), "batch"),
+    ((kv_like(2, 8, 2, 512), 4), "kv_heads"),
+    ((kv_like(2, 8, 1, 256), 4), "head_dim"),
+    ((kv_like(2, 8, 512), 4), "rank 4"),
+    ((kv_like(2, 8, 1, 1024)[..., ::2], 4), "contiguous"),
+])
+def test_compressed_checks(args, match):
+    k = kv_like(2, 50, 1, 512)
+    with pytest.raises(ValueError, match=match):
+        check_compressed(*args, k, k)
+
+
+def test_compressed_needs_k_equal_v():
+    k = kv_like(2, 50, 1, 512)
+    with pytest.raises(ValueError, match="K = V"):
+        check_compressed(kv_like(2, 8, 1, 512), 4, k, k.clone())
+    check_compressed(kv_like(2, 0, 1, 512), 4, k, k)  # 0 entries are legal
+
+
+CASES = [
+    (512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_sink": True,
+           "has_compressed": True}),
+    (512, {"kv_shared": True, "pack_group": 64, "has_compressed": True}),
+    (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_compressed": True}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.arch("sm90")
+@pytest.mark.parametrize("head_dim,options", CASES, ids=[f"hd{d}-{o}" for d, o in CASES])
+def test_sm90_compiles_within_budget(head_dim, options):
+    assert_within_budget("e", "sm90", "bfloat16", head_dim, options=options)

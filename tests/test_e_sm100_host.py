@@ -1,0 +1,425 @@
+"""Stage E on SM100, on the host (CPU, no GPU): the softmax warps' masks over window + compressed
+tiles, the TMA warp's source per tile, and the compile budgets.
+
+1. Masks, run. As tests/test_d34_sm100_host.py does for D4: the kernel's own code (``s_row_load``,
+   ``kv_length`` / ``kv_span`` (a ``FusedSpan``) / ``row_keys`` / ``mask_s_row`` with its
+   ``tile_columns``) is compiled into a host function and *run on the CPU* for every softmax thread
+   and every visit of a Q tile, on a register row of zeros (0: kept, -inf: hidden). Visit it is tile
+   n = n_tiles - 1 - it: a compressed tile (n < n_cmp, entries n T ..) or window tile n - n_cmp (keys
+   origin + (n - n_cmp) T ..). For kernels with pack_group 1, 64, 128 (Q tiles of 128, 2 and 1
+   tokens), ratios 4 and 128, window (127, 0) and none, seqlen_q <, =, > seqlen_k and n_compressed
+   below and above the rows' counts, the kept (row, source, key) triples of the real rows must be
+   exactly ``common.kv_span.visible`` (window) union ``common.compressed.compressed_visible``
+   (compressed), each held once. Negative controls the same checker rejects: the count taken as
+   floor(t' / r) instead of floor((t' + 1) / r), and a compressed tile's columns counted from the
+   window's first key.
+2. TMA sources, traced. The TMA warp's ``load_k_block`` (with ``kv_tma_views`` and
+   ``compressed_tma_view`` on atoms built as ``__call__`` builds them) runs for every tile and K
+   block of a span (its source as plain Python on Python ints inside a trace, cute.copy recorded: a
+   traced `if` would emit both branches), recording the atom and the box start each copy gets:
+   compressed tile n from the compressed atom at entry n T, window tile n from K's atom at key
+   origin + (n - n_cmp) T. Negative controls: a compressed tile indexed from the window's origin, a
+   window tile not shifted by n_cmp.
+3. Seams: D1..D5 unchanged (no compressed source), the E kernel's options and refusals.
+4. Compile budgets (marked compile / slow): head dim 512 with every option of DeepSeek-V4's HCA
+   layer, and head dim 128.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Float32, Int32
+
+from dsv4_attention.common import kv_span
+from dsv4_attention.common.compressed import compressed_visible
+from dsv4_attention.common.layout_proof import first_mismatches
+from dsv4_attention.common.sm100_softmax import visible_columns
+from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
+from dsv4_attention.stages.e_fused.sm100 import FlashAttentionESm100
+
+pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_e]
+
+BF16 = cutlass.BFloat16
+#: visits a host run records (every case here visits fewer)
+MAX_VISITS = 16
+
+
+def make_kernel(head_dim: int, cls=FlashAttentionESm100, **options):
+    from dsv4_attention.common import jit
+
+    return cls(jit.cutlass_dtype(torch.bfloat16), head_dim, **options)
+
+
+# ---------------------------------------------------------------------------------------
+# 1. the masks, run on the host
+
+
+def build_mask_runner(kernel):
+    """A host function (compiled for sm100, run on the CPU) that replays the softmax warps' masking
+    of one Q tile for all 128 threads, with the kernel's own builders and methods."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.tmem import placeholder_tmem_base
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
+             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32):
+        span = kernel.kv_span(m_blk, rows, kernel.kv_length(seqused, 0, seqlen_k), left, right, ratio, n_compressed)
+        info[0] = span.origin
+        info[1] = span.n_tiles
+        info[2] = span.n_cmp
+        for t in cutlass.range(EPI_THREADS, unroll=1):
+            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
+            keys = kernel.row_keys(span, m_blk, tTR_cS)
+            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(s_row)):
+                coords[t, i, 0] = tTR_cS[i][0]
+                coords[t, i, 1] = tTR_cS[i][1]
+            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
+                s_row.fill(0.0)
+                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
+                for i in cutlass.range_constexpr(cute.size(s_row)):
+                    out[t, it, i] = s_row[i]
+
+    bufs = run_buffers(kernel.plan.tile_n)
+    with target_arch("sm100"):
+        return cute.compile(host, *[from_dlpack(b) for b in bufs], *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1)],
+                            options=f"--gpu-arch={GPU_ARCH['sm100']}")
+
+
+def run_buffers(tile_n: int):
+    return (torch.zeros(EPI_THREADS, MAX_VISITS, tile_n), torch.zeros(EPI_THREADS, tile_n, 2, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+
+
+@functools.cache
+def mask_runner(name: str):
+    kernel = KERNELS[name]()
+    return kernel, build_mask_runner(kernel)
+
+
+def kept_triples(name: str, m_blk: int, case: dict):
+    """{(packed row, source, key): times kept} over the real rows of Q tile m_blk, every visit and
+    every thread / value, as the kernel's masks leave them (source 'c': compressed entry, 'w': raw
+    key); and (origin, n_tiles, n_cmp)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    kernel, fn = mask_runner(name)
+    g, tile_n = kernel.pack_group, kernel.plan.tile_n
+    sq, sk = case["seqlen_q"], case["seqlen_k"]
+    left, right = case.get("window", (None, None))
+    out, coords, info, su = run_buffers(tile_n)
+    su[0] = sk
+    fn(*[from_dlpack(b) for b in (out, coords, info, su)],
+       *[Int32(x) for x in (m_blk, sq * g, sk, 0 if left is None else left, 0 if right is None else right,
+                            case["ratio"], case["entries"])])
+    origin, n_tiles, n_cmp = info.tolist()
+    assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
+    kept = {}
+    for it in range(n_tiles):
+        n = n_tiles - 1 - it
+        source, first = ("c", n * tile_n) if n < n_cmp else ("w", origin + (n - n_cmp) * tile_n)
+        vals = out[:, it, :]
+        assert bool(torch.all((vals == 0) | (vals == -float("inf")))), "a value neither kept nor -inf"
+        t_idx, v_idx = torch.nonzero(vals == 0, as_tuple=True)
+        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
+            row, col = coords[t, v].tolist()
+            packed = m_blk * QK_TILE_M + row
+            if packed // g < sq:  # rows past the last token are never stored
+                key = (packed, source, first + col)
+                kept[key] = kept.get(key, 0) + 1
+    return kept, (origin, n_tiles, n_cmp)
+
+
+def visible_triples(m_blk: int, group: int, case: dict, left, right) -> set:
+    """The plain formulas' triples for the real rows of Q tile m_blk."""
+    sq, sk, ratio, entries = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"]
+    want = set()
+    for r in range(m_blk * QK_TILE_M, (m_blk + 1) * QK_TILE_M):
+        token = r // group
+        if token < sq:
+            want |= {(r, "w", j) for j in range(sk) if kv_span.visible(token, j, sq, sk, left, right)}
+            want |= {(r, "c", j) for j in range(entries) if compressed_visible(token, j, sq, sk, ratio, entries)}
+    return want
+
+
+def mask_failures(name: str, case: dict) -> list[str]:
+    """Every way "the kernel keeps exactly the visible triples of the real rows, each once" breaks."""
+    kernel, _ = mask_runner(name)
+    left, right = case.get("window", (None, None))
+    want_left = left if kernel.has_left else None
+    want_right = right if kernel.has_right else None
+    fails = []
+    for m_blk in case["m_blocks"]:
+        kept, span = kept_triples(name, m_blk, case)
+        want = visible_triples(m_blk, kernel.pack_group, case, want_left, want_right)
+        twice = sorted(p for p, n in kept.items() if n > 1)
+        extra = sorted(set(kept) - want)
+        missing = sorted(want - set(kept))
+        for what, pairs in (("held twice", twice), ("kept but hidden", extra), ("visible but masked", missing)):
+            if pairs:
+                fails.append(f"m_blk {m_blk} span {span}: {len(pairs)} {what}, e.g. {pairs[:3]}")
+    return fails
+
+
+class CountOfPosition(FlashAttentionESm100):
+    """Wrong: the row's count taken as floor(t' / r) (off by one position)."""
+
+    def row_keys(self, span, m_blk, tTR_cS):
+        window, _ = super().row_keys(span, m_blk, tTR_cS)
+        token = (m_blk * QK_TILE_M + tTR_cS[0][0]) // span.group
+        t = cutlass.max(token + span.seqlen_k - span.seqlen_q, 0)
+        return window, cutlass.min(t // span.ratio, span.n_compressed)
+
+
+class CompressedColumnsFromWindowOrigin(FlashAttentionESm100):
+    """Wrong: a compressed tile's columns counted from the window's first key (origin + n T)."""
+
+    @cute.jit
+    def fused_columns(self, span, keys, n):
+        window_keys, count = keys
+        first = span.origin + n * span.tile_n
+        lo, hi = visible_columns(window_keys, span.first_key(n))
+        compressed = n < span.n_cmp
+        hi = (count - first) if compressed else hi
+        if cutlass.const_expr(lo is not None):
+            lo = Int32(0) if compressed else lo
+        return lo, hi
+
+
+HCA_512 = {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_sink": True,
+           "has_compressed": True}
+WIN_512_G1 = {"kv_shared": True, "has_left": True, "has_right": True, "has_compressed": True}
+
+KERNELS = {
+    "e-hd512-g128": lambda: make_kernel(512, **HCA_512),
+    "e-hd512-g1": lambda: make_kernel(512, **WIN_512_G1),
+    "e-hd256-g64": lambda: make_kernel(256, kv_shared=True, pack_group=64, has_left=True, has_right=True,
+                                       has_compressed=True),
+    "e-hd128-g1-nowin": lambda: make_kernel(128, kv_shared=True, has_compressed=True),
+    "e-hd128-g64-nowin": lambda: make_kernel(128, kv_shared=True, pack_group=64, has_sink=True,
+                                             has_compressed=True),
+    "wrong-count-of-position": lambda: make_kernel(512, cls=CountOfPosition, **HCA_512),
+    "wrong-columns-from-window-origin": lambda: make_kernel(512, cls=CompressedColumnsFromWindowOrigin, **WIN_512_G1),
+}
+
+W127 = (127, 0)
+MASK_CASES = {  # name -> cases; m_blocks: the Q tiles replayed
+    "e-hd512-g128": [  # DeepSeek-V4's HCA layer: 128 heads of one token per tile, 64-key tiles
+        dict(seqlen_q=2, seqlen_k=1000, window=W127, ratio=4, entries=300, m_blocks=[0, 1]),  # 4 compressed tiles
+        dict(seqlen_q=2, seqlen_k=1000, window=W127, ratio=4, entries=100, m_blocks=[1]),  # entries < counts
+        dict(seqlen_q=5, seqlen_k=5, window=W127, ratio=4, entries=50, m_blocks=[0, 2, 3, 4]),  # counts 0, 0, 1, 1
+        dict(seqlen_q=300, seqlen_k=200, window=W127, ratio=4, entries=50, m_blocks=[0, 100, 102, 103, 299]),
+        dict(seqlen_q=4, seqlen_k=1024, window=W127, ratio=128, entries=8, m_blocks=[0, 3]),  # t' + 1 = 1024
+        dict(seqlen_q=3, seqlen_k=1023, window=W127, ratio=128, entries=5, m_blocks=[0, 1, 2]),  # 5 < 7, 7 | 1024
+    ],
+    "e-hd512-g1": [  # 128 tokens per tile: counts grow along the tile, windows cut 64-key tiles
+        dict(seqlen_q=300, seqlen_k=300, window=W127, ratio=4, entries=100, m_blocks=[0, 1, 2]),
+        dict(seqlen_q=200, seqlen_k=1000, window=W127, ratio=128, entries=10, m_blocks=[0, 1]),
+        dict(seqlen_q=300, seqlen_k=100, window=W127, ratio=4, entries=30, m_blocks=[0, 1, 2]),  # tokens < 200 empty
+    ],
+    "e-hd256-g64": [  # two tokens per tile, 128-key tiles
+        dict(seqlen_q=10, seqlen_k=500, window=W127, ratio=4, entries=200, m_blocks=[0, 4]),
+        dict(seqlen_q=10, seqlen_k=10, window=W127, ratio=4, entries=3, m_blocks=[0, 1, 4]),
+        dict(seqlen_q=10, seqlen_k=7, window=W127, ratio=4, entries=3, m_blocks=[0, 2, 4]),
+    ],
+    "e-hd128-g1-nowin": [  # no window: every raw key, plus the entries
+        dict(seqlen_q=300, seqlen_k=300, ratio=4, entries=80, m_blocks=[0, 1, 2]),
+        dict(seqlen_q=300, seqlen_k=200, ratio=4, entries=60, m_blocks=[0, 2]),
+        dict(seqlen_q=100, seqlen_k=300, ratio=128, entries=3, m_blocks=[0]),
+    ],
+    "e-hd128-g64-nowin": [
+        dict(seqlen_q=7, seqlen_k=600, ratio=128, entries=10, m_blocks=[0, 3]),
+        dict(seqlen_q=7, seqlen_k=520, ratio=4, entries=200, m_blocks=[1, 3]),
+    ],
+}
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", [
+    pytest.param(n, c, id=f"{n}-{i}") for n, cs in MASK_CASES.items() for i, c in enumerate(cs)
+])  # fmt: skip
+def test_masks_keep_exactly_the_visible_triples(name, case):
+    assert mask_failures(name, case) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", [
+    ("wrong-count-of-position", dict(seqlen_q=2, seqlen_k=1000, window=W127, ratio=4, entries=300, m_blocks=[1])),
+    ("wrong-columns-from-window-origin",
+     dict(seqlen_q=300, seqlen_k=300, window=W127, ratio=4, entries=100, m_blocks=[2])),
+])  # fmt: skip
+def test_mask_checker_rejects_wrong_masks(name, case):
+    assert mask_failures(name, case) != []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_hca_token_sees_its_window_and_entries():
+    """128 heads of token 999 of 1000, window (127, 0), ratio 4: window keys 872 .. 999 (two unmasked
+    64-key tiles) and entries 0 .. 249 (four tiles, the last cut at 250 - 192 = 58 columns)."""
+    case = dict(seqlen_q=1000, seqlen_k=1000, window=W127, ratio=4, entries=400)
+    kept, (origin, n_tiles, n_cmp) = kept_triples("e-hd512-g128", 999, case)
+    assert (origin, n_tiles, n_cmp) == (872, 6, 4)
+    assert len(kept) == 128 * (128 + 250)
+
+
+# ---------------------------------------------------------------------------------------
+# 2. the TMA warp's source per tile
+
+
+class CompressedFromWindowOrigin(FlashAttentionESm100):
+    """Wrong: compressed tile n loaded at the window's key map (origin + n T)."""
+
+    @cute.jit
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
+        if tile < span.n_cmp:
+            cute.copy(tma_atom_c, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
+        else:
+            cute.copy(tma_atom_k, tKgK[None, span.window_tile(tile), kb], dst, tma_bar_ptr=barrier)
+
+
+class WindowNotShifted(FlashAttentionESm100):
+    """Wrong: window tile n taken as K's tile n (not n - n_cmp)."""
+
+    @cute.jit
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
+        if tile < span.n_cmp:
+            cute.copy(tma_atom_c, tCgC[None, tile, kb], dst, tma_bar_ptr=barrier)
+        else:
+            cute.copy(tma_atom_k, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
+
+
+def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: int = 1, b: int = 1, **options):
+    """{(tile, kb): (atom, first coordinate of the box)} through the kernel's ``load_k_block`` (cute.copy
+    recorded, not issued), on views from ``kv_tma_views`` / ``compressed_tma_view`` over TMA atoms
+    built as ``__call__`` builds them from [batch, seqlen, kv_heads, head_dim] K and compressed
+    tensors. TMA coordinates run (column, key or entry, kv head, batch). Also the span."""
+    from cutlass.cute.nvgpu import cpasync, tcgen05
+
+    from dsv4_attention.common.layout_proof import as_ints, trace
+    from dsv4_attention.common.layouts import seq_major
+    from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
+
+    kernel = make_kernel(head_dim, cls=cls, **options)
+    plan = kernel.plan
+    S, C, HK, B = 1000, 300, 2, 2
+
+    def bshd(seqlen, base):
+        ptr = cute.make_ptr(BF16, base, cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout((B, seqlen, HK, head_dim),
+                                                      stride=(seqlen * HK * head_dim, HK * head_dim, head_dim, 1)))
+
+    def body():
+        qk, pv = make_qk_mma(BF16, plan), make_pv_mma(BF16, plan)
+        _, k_ring, v_ring, _ = make_smem_layouts(BF16, plan, qk, pv)
+        op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        k_block = cute.select(k_ring, mode=[0, 1, 2])
+        box = (QK_TILE_M, plan.tile_n, plan.d_block)
+        atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(op, seq_major(bshd(S, 0)), k_block, box, qk)
+        atom_c, tma_c = cute.nvgpu.make_tiled_tma_atom_B(op, seq_major(bshd(C, 1 << 30)), k_block, box, qk)
+        smem = cute.make_ptr(BF16, 1024, cute.AddressSpace.smem, assumed_align=1024)
+        sK = cute.make_tensor(cute.recast_ptr(smem, k_ring.inner), k_ring.outer)
+        sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
+        span = kernel.kv_span(*span_args)
+        _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
+        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b)
+        names = {id(atom_k): "k", id(atom_c): "c"}
+        got = {}
+        real_copy = cute.copy
+
+        def record(atom, src, dst, **_):
+            got[current] = (names[id(atom)], as_ints(tuple(src.iterator)))
+
+        # the method's own source as plain Python: a traced `if` emits both branches (an scf.if),
+        # so the recorder could not tell which one a tile takes; with Python ints Python picks it
+        load_k_block = type(kernel).load_k_block.__wrapped__
+        cute.copy = record
+        try:
+            for n in range(span.n_tiles):
+                for kb in range(plan.blocks):
+                    current = (n, kb)
+                    load_k_block(kernel, span, n, kb, atom_k, tKgK, atom_c, tCgC, sK[None, None, None, 0], None)
+        finally:
+            cute.copy = real_copy
+        return got, (span.origin, span.n_tiles, span.n_cmp)
+
+    got, span = trace(body)
+    origin, n_tiles, n_cmp = span
+    want = {(n, kb): ("c", (kb * plan.d_block, n * plan.tile_n, hk, b)) if n < n_cmp
+            else ("k", (kb * plan.d_block, origin + (n - n_cmp) * plan.tile_n, hk, b))
+            for n in range(n_tiles) for kb in range(plan.blocks)}
+    return got, want, span
+
+
+#: (m_block, rows, seqlen_k, left, right, ratio, n_compressed) of kv_span: the g128 kernel's token 1 of 2
+HCA_SPAN = (1, 2 * 128, 1000, 127, 0, 4, 300)
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,options,span_args", [
+    (512, HCA_512, HCA_SPAN),  # origin 872, 4 compressed tiles of 64, 2 window tiles
+    (512, WIN_512_G1, (2, 300, 300, 127, 0, 4, 100)),  # tokens 256 .. 299: origin 129, 2 + 3 tiles
+    (128, {"kv_shared": True, "has_compressed": True}, (1, 300, 1000, 0, 0, 128, 30)),  # no window: origin 0
+])  # fmt: skip
+def test_tma_loads_each_tile_from_its_source(head_dim, options, span_args):
+    got, want, span = tma_sources(head_dim, span_args, **options)
+    origin, n_tiles, n_cmp = span
+    assert n_cmp >= 1 and n_tiles > n_cmp, span
+    assert first_mismatches(want, got) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", [CompressedFromWindowOrigin, WindowNotShifted])
+def test_tma_checker_rejects_wrong_sources(cls):
+    got, want, _ = tma_sources(512, HCA_SPAN, cls=cls, **HCA_512)
+    assert first_mismatches(want, got) != []
+
+
+# ---------------------------------------------------------------------------------------
+# 3. seams
+
+
+def test_seams():
+    from dsv4_attention import stages
+
+    for stage in ("d1", "d2", "d3", "d4", "d5"):
+        k = stages.get(stage).module.make_kernel("sm100", torch.bfloat16, 512, kv_shared=True)
+        assert not k.has_compressed
+    plain = make_kernel(512, kv_shared=True, pack_group=128)  # stage E without entries is stage D5
+    assert not plain.has_compressed and not plain.masks_inner_tiles()
+    e = make_kernel(128, kv_shared=True, has_compressed=True)
+    assert e.has_compressed and e.masks_inner_tiles() and not e.may_hide_rows()
+    with pytest.raises(ValueError, match="K = V"):
+        make_kernel(128, has_compressed=True)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        make_kernel(128, kv_shared=True, varlen=True, has_compressed=True)
+
+
+# ---------------------------------------------------------------------------------------
+# 4. compile budgets
+
+
+COMPILE_CASES = [
+    (512, HCA_512),
+    (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_sink": True, "has_compressed": True}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,options", COMPILE_CASES, ids=[f"hd{d}-{o}" for d, o in COMPILE_CASES])
+def test_sm100_compiles_within_budget(head_dim, options):
+    from dsv4_attention.common.compile import assert_within_budget
+
+    assert_within_budget("e", "sm100", "bfloat16", head_dim, options=options, min_tmem_columns=256)

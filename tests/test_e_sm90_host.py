@@ -1,0 +1,214 @@
+"""Stage E on SM90, on the host (CPU, no GPU): the fused span's masks, run.
+
+The consumer warpgroups' masking of one Q tile is replayed with the kernel's own code: its span
+(``kv_span``: common/compressed.py's FusedSpan), every consumer thread's QK accumulator partition
+(``make_mmas``, ``s_coords``) and its per-visit mask (``mask_s``: the first visit always, later ones
+where the span says the tile straddles an edge), compiled into a host function for sm_90a and *run
+on the CPU* on accumulators of zeros. A value left at 0 is a (row, key) the kernel keeps, one at
+-inf a pair it hides. Tile n of a visit is compressed entries [n T, n T + T) for n < n_cmp and
+window keys origin + (n - n_cmp) T .. otherwise (what the producer's ``load_kv`` loads there). For
+several kernels (rows and split layouts; pack_group 1, 8, 64, 128) and problems (ratio 4 and 128;
+windows (127, 0), (5, 3), none; seqlen_q <, =, > seqlen_k; fewer entries than visible and more;
+Q tiles holding several tokens), the kept pairs of the real rows (token < seqlen_q) must be exactly
+those ``kv_span.visible`` (window) and ``compressed.compressed_visible`` allow, each kept once.
+Negative controls the same checker rejects: a span that counts floor(t' / r) entries (the
+off-by-one of the spec's floor((t' + 1) / r)), and one that masks compressed tiles on the first
+visit only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Float32, Int32
+
+from dsv4_attention.common import kv_span
+from dsv4_attention.common.compressed import FusedSpan, compressed_visible
+from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
+
+pytestmark = [pytest.mark.arch("sm90"), pytest.mark.stage_e, pytest.mark.proof]
+
+MAX_VISITS = 24
+
+
+class FloorTSpan(FusedSpan):
+    """Wrong on purpose: count = floor(t' / r) (drops the + 1)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+
+    @cute.jit
+    def mask(self, acc, tScS, n, first_row):
+        if n < self.n_cmp:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                token = (first_row + tScS[i][0]) // self.group
+                t = cutlass.max(token + self.seqlen_k - self.seqlen_q, 0)
+                count = cutlass.min(t // self.ratio, self.n_compressed)
+                acc[i] = -Float32.inf if n * self.tile_n + tScS[i][1] >= count else acc[i]
+        else:
+            kv_span.KvSpan.mask(self, acc, tScS, n, first_row)
+
+
+def kernel_class(wrong: str | None):
+    from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
+
+    if wrong is None:
+        return FlashAttentionESm90
+    if wrong == "floor_t":
+        class FloorT(FlashAttentionESm90):
+            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c):
+                return FloorTSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
+                                  self.has_left, self.has_right, ratio, n_c)
+
+            def mask_s(self, span, acc_s, tScS, n, first_row, first):
+                span.mask(acc_s, tScS, n, first_row)  # every visit: only the count is wrong
+        return FloorT
+    if wrong == "first_only":
+        class FirstOnly(FlashAttentionESm90):
+            def masks_inner_tiles(self):
+                return False
+        return FirstOnly
+    raise ValueError(wrong)
+
+
+KERNELS = {  # name: (head_dim, options)
+    "split-g128": (512, {"pack_group": 128}),
+    "split-g8": (512, {"pack_group": 8}),
+    "rows-g1": (128, {"pack_group": 1}),
+    "rows-g64": (256, {"pack_group": 64}),
+}
+
+
+@functools.cache
+def runner(name: str, window: bool, wrong: str | None = None):
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+
+    head_dim, options = KERNELS[name]
+    kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True,
+                                 has_left=window, has_right=window, **options)
+    threads = kernel.consumer_threads
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, m_block: Int32, rows: Int32,
+             seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32):
+        qk_mma, _ = kernel.make_mmas()
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c)
+        info[0] = span.origin
+        info[1] = span.n_tiles
+        info[2] = span.n_cmp
+        first_row = m_block * kernel.tile_m
+        for tidx in cutlass.range(threads, unroll=1):
+            wg = tidx // THREADS_PER_WARPGROUP
+            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
+            tScS = kernel.s_coords(wg, thr)
+            acc = cute.make_rmem_tensor(tScS.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                coords[tidx, i, 0] = tScS[i][0]
+                coords[tidx, i, 1] = tScS[i][1]
+            acc.fill(0.0)
+            kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                out[tidx, 0, i] = acc[i]
+            for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
+                acc.fill(0.0)
+                kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    out[tidx, it, i] = acc[i]
+
+    vals = kernel.tile_m * kernel.tile_n // threads
+    bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32))
+    with target_arch("sm90"):
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 7),
+                          options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    return kernel, fn, bufs
+
+
+def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c):
+    """{(packed row, source, key): times kept} over the real rows of Q tile m_block."""
+    from cutlass.cute.runtime import from_dlpack
+
+    kernel, fn, bufs = runner(name, window, wrong)
+    out, coords, info = (b.zero_() for b in bufs)
+    g, tile_n = kernel.pack_group, kernel.tile_n
+    fn(*[from_dlpack(b) for b in (out, coords, info)], *[Int32(x) for x in (m_block, seqlen_q * g, seqlen_k,
+                                                                          left, right, ratio, n_c)])
+    origin, n_tiles, n_cmp = info.tolist()
+    assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
+    assert bool(torch.all((out == 0) | (out == -float("inf")))), "a value neither kept nor -inf"
+    kept = {}
+    for it in range(n_tiles):
+        n = n_tiles - 1 - it
+        source, first = ("c", n * tile_n) if n < n_cmp else ("w", origin + (n - n_cmp) * tile_n)
+        t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
+        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
+            row, col = coords[t, v].tolist()
+            packed = m_block * kernel.tile_m + row
+            if packed // g < seqlen_q:
+                key = (packed, source, first + col)
+                kept[key] = kept.get(key, 0) + 1
+    return kept, kernel
+
+
+def visible(kernel, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c) -> set:
+    pairs = set()
+    for r in range(m_block * kernel.tile_m, (m_block + 1) * kernel.tile_m):
+        token = r // kernel.pack_group
+        if token < seqlen_q:
+            win = (j for j in range(seqlen_k) if kv_span.visible(token, j, seqlen_q, seqlen_k, left, right))
+            ent = (j for j in range(n_c) if compressed_visible(token, j, seqlen_q, seqlen_k, ratio, n_c))
+            pairs |= {(r, "w", j) for j in win} | {(r, "c", j) for j in ent}
+    return pairs
+
+
+PROBLEMS = [  # seqlen_q, seqlen_k, ratio, entries
+    (300, 300, 4, 80), (300, 300, 4, 40), (40, 700, 128, 8), (700, 200, 4, 60), (129, 1000, 128, 3), (5, 9, 4, 10),
+]
+
+
+def failures(name, window, wrong=None, problems=PROBLEMS, windows=((127, 0), (5, 3))) -> list:
+    bad = []
+    g = KERNELS[name][1]["pack_group"]
+    for sq, sk, ratio, n_c in problems:
+        for left, right in (windows if window else ((None, None),)):
+            kernel = runner(name, window, wrong)[0]
+            tiles = -(-sq * g // kernel.tile_m)
+            for m in sorted({0, 1, tiles // 2, tiles - 1} & set(range(tiles))):
+                kept, kernel = kept_pairs(name, window, wrong, m, sq, sk, left or 0, right or 0, ratio, n_c)
+                want = visible(kernel, m, sq, sk, left, right, ratio, n_c)
+                twice = [k for k, c in kept.items() if c != 1]
+                if set(kept) != want or twice:
+                    extra, missing = sorted(set(kept) - want)[:3], sorted(want - set(kept))[:3]
+                    bad.append(f"{name} sq{sq} sk{sk} r{ratio} nc{n_c} window({left},{right}) m{m}: "
+                               f"extra {extra} missing {missing} twice {twice[:3]}")
+    return bad
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("window", [True, False], ids=["window", "no_window"])
+def test_kept_pairs_are_the_union_of_window_and_visible_entries(name, window):
+    assert failures(name, window) == []
+
+
+@pytest.mark.parametrize("wrong", ["floor_t", "first_only"])
+def test_checker_rejects_wrong_masks(wrong):
+    assert failures("rows-g1", True, wrong, problems=[(300, 300, 4, 80)], windows=((127, 0),)) != []
+
+
+def test_span_visits_only_tiles_with_visible_entries():
+    """n_cmp = ceil(count(t_hi) / T): the last compressed tile holds an entry the tile's last token
+    sees, and a Q tile whose tokens see no entry visits none (pure arithmetic of the span)."""
+    for sq, sk, ratio, n_c in PROBLEMS:
+        for m in range(-(-sq // 64)):
+            span = FusedSpan(m, sq, sk, 64, 64, 1, 127, 0, True, True, ratio, n_c)
+            t_hi = min(m * 64 + 63, sq - 1)
+            count = min(n_c, max(t_hi + sk - sq + 1, 0) // ratio)
+            assert span.n_cmp == -(-count // 64)
+            assert span.n_tiles == span.n_cmp + span.window_tiles
