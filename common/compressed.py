@@ -34,6 +34,25 @@ import cutlass.cute as cute
 from dsv4_attention.common.kv_span import KvSpan
 
 
+def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool) -> None:
+    """Stage E's compile-time options on a kernel object (both archs), refused where they do not
+    compose: compressed entries are K = V rows, not with cu_seqlens yet; top-k lists need the
+    compressed tensor and Q tiles of one token (pack_group a multiple of ``tile_m``); index mode is
+    top-k with no window."""
+    kernel.has_compressed, kernel.has_topk, kernel.index_mode = bool(has_compressed), bool(has_topk), bool(index_mode)
+    if kernel.index_mode and not (kernel.has_topk and not (kernel.has_left or kernel.has_right)):
+        raise ValueError("index_mode: the lists are the only keys (has_topk, no window)")
+    if kernel.has_topk and not kernel.has_compressed:
+        raise ValueError("has_topk lists entries of the compressed tensor: it needs has_compressed")
+    if kernel.has_topk and kernel.pack_group % tile_m:
+        raise ValueError(f"top-k: a Q tile gathers one token's list, so pack_group ({kernel.pack_group}) must be a "
+                         f"multiple of the {tile_m}-row tile")
+    if kernel.has_compressed and not kernel.kv_shared:
+        raise ValueError("compressed entries are K = V rows: the window's K and V must be one tensor (kv)")
+    if kernel.has_compressed and kernel.varlen:
+        raise ValueError("compressed entries with cu_seqlens are not supported yet: pass batched tensors")
+
+
 def compressed_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, ratio: int, n_compressed: int) -> bool:
     """The plain formula, one (query token, compressed entry) pair: for tests and host proofs."""
     t = i + seqlen_k - seqlen_q
@@ -104,3 +123,78 @@ class FusedSpan(KvSpan):
                                      self.seqlen_k, self.ratio, self.n_compressed)
         else:
             KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
+
+
+# ---- top-k compressed entries (DeepSeek-V4's CSA layers) ------------------------------------------
+#
+# The caller names, per query token, k entries of the compressed tensor (``topk_indices`` [batch,
+# seqlen_q, k] int32, -1 padded). Position p of token t's list is a key of that token iff
+#
+#     0 <= idx[t, p] < count(t)          (count as above: entries not yet visible stay hidden)
+#
+# The kernels gather the rows, 64 (one KV tile) list positions at a time, so a Q tile must hold one
+# token (its rows are that token's heads: pack_group a multiple of tile_m), and its compressed
+# tiles are list positions [n T, n T + T) for n < n_cmp = ceil(k / T).
+
+
+def topk_visible(i: int, p: int, idx: int, seqlen_q: int, seqlen_k: int, ratio: int, n_compressed: int,
+                 k: int) -> bool:
+    """The plain formula: list position p (holding entry idx) of query token i is a visible key."""
+    return 0 <= p < k and idx >= 0 and compressed_visible(i, idx, seqlen_q, seqlen_k, ratio, n_compressed)
+
+
+@cute.jit
+def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, idx_row: cute.Tensor, first_pos, count, k):
+    """Scores of list positions a row may not see -> -inf, in place (SM90 fragment: value i holds
+    list position first_pos + tScS[i][1] of the tile's one token; ``idx_row`` that token's list,
+    ``count`` its visible entry count)."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        p = first_pos + tScS[i][1]
+        j = cutlass.Int32(-1)
+        if p < k:
+            j = idx_row[p]
+        acc[i] = -cutlass.Float32.inf if (j < 0) | (j >= count) else acc[i]
+
+
+class TopkSpan(FusedSpan):
+    """``FusedSpan`` whose compressed tiles are positions of the Q tile's token's top-k list
+    (``idx_row``, k positions): n_cmp = ceil(k / T), every compressed tile masked by the list."""
+
+    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row")
+
+    def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
+                 has_left: bool, has_right: bool, ratio, n_compressed, idx_row, k):
+        super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, left, right, has_left, has_right, ratio,
+                         n_compressed)
+        self.idx_row, self.k = idx_row, k
+        self.count = self.c_lo  # one token per Q tile: t_lo = t_hi
+        self.n_cmp = (k + tile_n - 1) // tile_n
+        self.n_tiles = self.n_cmp + self.window_tiles
+
+    @cute.jit
+    def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
+        if n < self.n_cmp:
+            mask_topk_tile(acc, tScS, self.idx_row, n * self.tile_n, self.count, self.k)
+        else:
+            KvSpan.mask(self, acc, tScS, n, first_row)
+
+    @cute.jit
+    def mask_if_needed(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
+        if n < self.n_cmp:
+            mask_topk_tile(acc, tScS, self.idx_row, n * self.tile_n, self.count, self.k)
+        else:
+            KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
+
+
+class IndexSpan(TopkSpan):
+    """Index mode (FlashMLA's sparse attention): the token's list is its only keys, rows of one
+    tensor (no window, no visibility rule beyond 0 <= idx < n_compressed): n_tiles = n_cmp =
+    max(ceil(k / T), 1) (an empty list still visits one wholly masked tile: O = 0, LSE = -inf)."""
+
+    def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, n_compressed, idx_row, k):
+        super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, 0, 0, False, False, 1, n_compressed,
+                         idx_row, k)
+        self.count = n_compressed
+        self.n_cmp = cutlass.max((k + tile_n - 1) // tile_n, 1)
+        self.window_tiles = 0
+        self.n_tiles = self.n_cmp

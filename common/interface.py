@@ -26,7 +26,7 @@ MAX_GRID_YZ = 65535  # attention grids are (q tiles, heads, batch)
 def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 1000, *, kv_shared: bool = False,
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
-                           has_compressed: bool = False, **_):
+                           has_compressed: bool = False, has_topk: bool = False, **_):
     """CPU arguments to compile an attention kernel against (kernels are shape-dynamic), for the
     kernel options given: K = V (one tensor as K and V) and the trailing (seqused_k,
     window_left, window_right) arguments of stage D1's kernel and those built on it (``plain``:
@@ -46,7 +46,8 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                  cutlass.Int32(127 if has_left else 0), cutlass.Int32(0), cu, cu, cutlass.Int32(300 if varlen else 0),
                  jit.as_cute(torch.zeros(4, dtype=torch.float32)) if has_sink else None,
                  jit.as_cute(torch.empty(2, 50, 2, head_dim, dtype=dtype)) if has_compressed else None,
-                 cutlass.Int32(4 if has_compressed else 0)]
+                 cutlass.Int32(4 if has_compressed else 0),
+                 jit.as_cute(torch.zeros(2, 300, 160, dtype=torch.int32)) if has_topk else None]
     return args
 
 
@@ -113,22 +114,22 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
 
 #: the trailing arguments of stage D1's kernel (after the stream), which later stages use:
 #: seqused_k (D3), window_left, window_right (D4), cu_seqlens_q, cu_seqlens_k, max_seqlen_q (D3
-#: varlen), learnable_sink (D5), compressed_kv, compress_ratio (E). Unused tensors go as None, unused
+#: varlen), learnable_sink (D5), compressed_kv, compress_ratio, topk_indices (E). Unused tensors go as None, unused
 #: integers as 0: the kernel compiles them out, and an exported C signature (common/kernel_cache.py)
 #: has no optional integers.
 MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-             "learnable_sink", "compressed_kv", "compress_ratio")
+             "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices")
 
 
 def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              learnable_sink=None, compressed_kv=None, compress_ratio=None):
+              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None):
     """MASK_ARGS as kernel arguments."""
     import cutlass
 
     t = lambda x: None if x is None else jit.as_cute(x)  # noqa: E731
     return [t(seqused_k), cutlass.Int32(0 if left is None else left), cutlass.Int32(0 if right is None else right),
             t(cu_seqlens_q), t(cu_seqlens_k), cutlass.Int32(max_seqlen_q), t(learnable_sink), t(compressed_kv),
-            cutlass.Int32(0 if compress_ratio is None else compress_ratio)]
+            cutlass.Int32(0 if compress_ratio is None else compress_ratio), t(topk_indices)]
 
 
 def no_mask_args():
@@ -139,7 +140,8 @@ def no_mask_args():
 def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out, *,
                              tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                             learnable_sink=None, compressed_kv=None, compress_ratio=None):
+                             learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
+                             index_mode=False):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -147,18 +149,25 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     (D3: ``cu_seqlens_q`` / ``cu_seqlens_k``, q, k, v [total, heads, head_dim], o like q, lse
     [heads, total_q]) and the attention sink (D5: ``learnable_sink`` [heads] fp32) and the
     compressed entries (E: ``compressed_kv`` [batch, entries, kv_heads, head_dim], K = V, visible
-    by ``compress_ratio``; common/compressed.py). An option
+    by ``compress_ratio``, all of them or the ``topk_indices`` [batch, seqlen_q, k] each token lists;
+    common/compressed.py). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     from dsv4_attention.common.pack_heads import pack_group
-    from dsv4_attention.common.validation import check_compressed, check_cu_seqlens, check_seqused_k, check_sink
+    from dsv4_attention.common.validation import (
+        check_compressed,
+        check_cu_seqlens,
+        check_seqused_k,
+        check_sink,
+        check_topk,
+    )
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    compressed = compressed_kv is not None or compress_ratio is not None
+    compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
     if compressed and varlen:
         raise ValueError("compressed_kv with cu_seqlens is not supported yet: pass batched [batch, seqlen, heads, "
                          "head_dim] tensors")
-    entries = [None, None]  # (compressed_kv, compress_ratio) as the kernel gets them, once validated
+    entries = [None, None, None]  # (compressed_kv, compress_ratio, topk_indices) as the kernel gets them
 
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
@@ -184,17 +193,28 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
         chosen = {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
         if compressed:
+            if topk_indices is not None and compressed_kv is None:
+                raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
             check_compressed(compressed_kv, compress_ratio, k, v)
-            if compressed_kv.shape[1] > 0:  # no entries: the window alone
-                entries[:] = compressed_kv, compress_ratio
+            if topk_indices is not None:
+                check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch)
+                if not compressed_kv.is_contiguous():  # rows are gathered by (batch, entry) address arithmetic
+                    raise ValueError("with topk_indices, compressed_kv must be contiguous")
+            if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
+                entries[:] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
                 chosen["has_compressed"] = True
+                if topk_indices is not None:
+                    chosen["has_topk"] = True
+                    if index_mode:  # the lists are every key (FlashMLA's sparse attention)
+                        chosen["index_mode"] = True
         return chosen
 
     if not varlen:
         return attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
                                  options=options, options_for=prepare,
                                  extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
-                                                              compressed_kv=entries[0], compress_ratio=entries[1]))
+                                                              compressed_kv=entries[0], compress_ratio=entries[1],
+                                                              topk_indices=entries[2]))
     # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
     # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -76,15 +76,18 @@ def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, ca
     return o, lse
 
 
-def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, softmax_scale=None, seqused_k=None,
-                    causal: bool = False, window_size=(None, None), learnable_sink=None, positions=None):
+def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
+                    softmax_scale=None, seqused_k=None, causal: bool = False, window_size=(None, None),
+                    learnable_sink=None, positions=None):
     """Stage E: one softmax over the window's keys and the compressed entries, float64.
 
     Query i of batch b sits at t' = positions[i] (default i + n_k - seqlen_q, n_k = seqused_k[b] or
     seqlen_k: D4's bottom-right alignment) and sees raw key j iff j < n_k and
     t' - left <= j <= t' + right (bounds that are not None; causal: right = 0), and compressed
-    entry j iff j < floor((t' + 1) / compress_ratio) (t' + 1 > 0). ``v`` None: K = V. Returns
-    (O [b, sq, h, d], LSE [b, h, sq]) as ``attention``, the sink applied to O only."""
+    entry j iff j < floor((t' + 1) / compress_ratio) (t' + 1 > 0): all of them, or with
+    ``topk_indices`` [b, seqlen_q, k] only the listed ones (-1: none; a listed entry not yet
+    visible stays hidden). ``v`` None: K = V. Returns (O [b, sq, h, d], LSE [b, h, sq]) as
+    ``attention``, the sink applied to O only."""
     v = kv if v is None else v
     b, sq, h, _ = q.shape
     sk = kv.shape[1]
@@ -105,17 +108,23 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, s
     if right is not None:
         vis = vis & (j <= t3 + right)
     s = qk_scores(q, kv, softmax_scale).masked_fill(~vis[:, None], -math.inf)  # [b, h, sq, sk]
-    values = _expand_kv(v, h).to(torch.float64)
+    parts = [(s, "bhij,bjhd->bihd", _expand_kv(v, h).to(torch.float64))]
     if compressed_kv is not None:
         nc = compressed_kv.shape[1]
         count = torch.clamp(t3 + 1, min=0) // compress_ratio  # [b, sq, 1]
-        jc = torch.arange(nc, device=dev)[None, None, :]
-        s_c = qk_scores(q, compressed_kv, softmax_scale).masked_fill(~(jc < count)[:, None], -math.inf)
-        s = torch.cat([s, s_c], dim=-1)
-        values = torch.cat([values, _expand_kv(compressed_kv, h).to(torch.float64)], dim=1)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    o = torch.einsum("bhij,bjhd->bihd", p, values)
+        if topk_indices is None:
+            jc = torch.arange(nc, device=dev)[None, None, :]
+            s_c = qk_scores(q, compressed_kv, softmax_scale).masked_fill(~(jc < count)[:, None], -math.inf)
+            parts.append((s_c, "bhij,bjhd->bihd", _expand_kv(compressed_kv, h).to(torch.float64)))
+        else:
+            idx = topk_indices.to(dev).long()  # [b, sq, k]
+            rows = torch.stack([compressed_kv[i, idx[i].clamp(min=0), 0] for i in range(b)]).to(torch.float64)
+            scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+            s_c = torch.einsum("bihd,bikd->bhik", q.to(torch.float64), rows) * scale
+            ok = (idx >= 0) & (idx < torch.clamp(count, max=nc))
+            parts.append((s_c.masked_fill(~ok[:, None], -math.inf), "bhik,bikd->bihd", rows))
+    lse = torch.logsumexp(torch.cat([p[0] for p in parts], dim=-1), dim=-1)
+    o = sum(torch.einsum(eq, torch.exp(sc - lse[..., None]).nan_to_num(0.0), val) for sc, eq, val in parts)
     if learnable_sink is not None:
         sink = learnable_sink.to(device=dev, dtype=torch.float64)
         o = o * torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]

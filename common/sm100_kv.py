@@ -102,3 +102,50 @@ def load_tile(producer, tma_atom, tXgX, tXsX, tile):
     stage = producer.acquire_and_advance()
     cute.copy(tma_atom, tXgX[None, tile], tXsX[None, stage.index], tma_bar_ptr=stage.barrier)
     return producer
+
+
+# ---------------------------------------------------------------------------------------
+# Stage E top-k: a ring stage filled by TMA gather4 (4 rows of a 2D tensor per instruction)
+
+
+def block_rows_layout(k_block: cute.Layout) -> cute.Layout:
+    """A K block's SMEM layout (``k_ring.outer`` of one stage, ((T,16),1,(4,B/64))) as a plain
+    (T, B) row layout (T, (16, (4, B/64))): key r, column c at the element the MMA reads (the
+    column splits colexicographically into (c % 16, k-phase c // 16), the modes the MMA partition
+    uses). Element offsets only; the swizzle stays on the pointer. The gather4 atom's box."""
+    (m_shape, k_shape), _, phase_shape = k_block.shape
+    (m_stride, k_stride), _, phase_stride = k_block.stride
+    return cute.make_layout((m_shape, (k_shape, phase_shape)), stride=(m_stride, (k_stride, phase_stride)))
+
+
+def gather_view(c: cute.Tensor, tile_n: int):
+    """The compressed entries (``c``: (entries, head_dim, kv_heads, batch), seq_major) as the 2D
+    tensor a gather4 atom reads, (batch x entries rows, kv_heads x head_dim columns): entry j of
+    batch b is row b * entries + j, kv head hk's column x is hk * head_dim + x. Assumes the
+    (batch, entry, kv head) strides are dense (batch = entries x entry stride, kv head = head_dim:
+    a contiguous [batch, entries, kv_heads, head_dim] tensor). Returns (that tensor, the shape of
+    the index tensor the atom is built with: (entries, columns))."""
+    entries, head_dim, kv_heads, batch = c.shape
+    columns = kv_heads * head_dim
+    rows_2d = cute.make_tensor(c.iterator, cute.make_layout((batch * entries, columns), stride=(c.stride[0], 1)))
+    return rows_2d, (entries, columns)
+
+
+#: rows of one gather4 TMA instruction
+GATHER4_ROWS = 4
+
+
+@cute.jit
+def topk_rows(span, tile, row0, first=0, n: cutlass.Constexpr = None) -> cute.Tensor:
+    """The 2D rows compressed tile ``tile`` of a top-k span gathers, one register per box row r
+    (box rows first .. first + n - 1; all T when n is None): row0 + idx[tile T + r] where that list
+    position is a visible key (p < k, 0 <= idx < count), else row0 (entry 0: a finite row, its
+    score masked; never a read past the list or the request's entries)."""
+    n_rows = span.tile_n if cutlass.const_expr(n is None) else n
+    rows = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+    for c in cutlass.range(n_rows, unroll_full=True):
+        p = tile * span.tile_n + first + c
+        j = span.idx_row[cutlass.min(p, span.k - 1)]
+        ok = (p < span.k) & (j >= 0) & (j < span.count)
+        rows[c] = row0 + (j if ok else cutlass.Int32(0))
+    return rows

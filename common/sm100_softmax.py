@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Uint32, const_expr
 
 from dsv4_attention.common.compressed import compressed_count
 
@@ -141,3 +141,62 @@ def mask_below(s_row: cute.Tensor, tTR_cS: cute.Tensor, lo):
     registers at head dim 512 (128 this way) and spilled at head dim 256."""
     for i in cutlass.range_constexpr(cute.size(s_row)):
         s_row[i] = -Float32.inf if tTR_cS[i][1] < lo else s_row[i]
+
+
+
+def topk_position_visible(idx_row: cute.Tensor, p, count, k):
+    """Stage E top-k: whether list position p of the tile's token (``idx_row``, k positions) is a
+    visible key: p < k and 0 <= idx_row[p] < count. Reads the list at min(p, k - 1): never past its end."""
+    j = idx_row[cutlass.min(p, k - 1)]
+    return (p < k) & (j >= 0) & (j < count)
+
+
+@cute.jit
+def topk_tile_words(idx_row: cute.Tensor, first_pos, count, k, tile_n: cutlass.Constexpr[int], lane,
+                    on_host: cutlass.Constexpr[bool] = False):
+    """The visible positions first_pos .. first_pos + tile_n - 1 of the tile's one token as tile_n / 32
+    bit words (bit l of word w: position first_pos + 32 w + l), one warp-wide ballot per word: lane l
+    tests position 32 w + l. Every row of the tile is that token's, so all rows share them: 2 (T = 64)
+    or 4 (T = 128) list loads per thread instead of T. ``on_host``: the same words
+    assembled by a loop over the 32 lanes (what vote.ballot returns; host proofs run on the CPU)."""
+    words = []
+    for w in cutlass.range_constexpr(tile_n // 32):
+        if const_expr(on_host):
+            word = Uint32(0)
+            for lane_l in cutlass.range(32, unroll=1):
+                bit = Uint32(1) if topk_position_visible(idx_row, first_pos + 32 * w + lane_l, count, k) else Uint32(0)
+                word = word | (bit << Uint32(lane_l))
+        else:
+            word = Uint32(cute.arch.vote_ballot_sync(topk_position_visible(idx_row, first_pos + 32 * w + lane,
+                                                                          count, k)))
+        words.append(word)
+    return words
+
+
+@cute.jit
+def low_bits(b):
+    """A Uint32 of its b low bits set (0 <= b <= 32)."""
+    return Uint32(0xFFFFFFFF) if b >= 32 else (Uint32(1) << Uint32(b)) - Uint32(1)
+
+
+@cute.jit
+def column_range_words(lo, hi, tile_n: cutlass.Constexpr[int]):
+    """The columns lo <= c < hi of a tile (lo None: 0) as ``topk_tile_words``' tile_n / 32 bit words
+    (bit c % 32 of word c // 32): D4's window bounds in the form ``mask_topk_row`` applies."""
+    words = []
+    for w in cutlass.range_constexpr(tile_n // 32):
+        word = low_bits(cutlass.min(cutlass.max(hi - 32 * w, 0), 32))
+        if const_expr(lo is not None):
+            word = word & (low_bits(cutlass.min(cutlass.max(lo - 32 * w, 0), 32)) ^ Uint32(0xFFFFFFFF))
+        words.append(word)
+    return words
+
+
+@cute.jit
+def mask_topk_row(s_row: cute.Tensor, tTR_cS: cute.Tensor, words):
+    """Stage E top-k: scores of this row's columns whose bit in ``words`` (``topk_tile_words``) is
+    clear -> -inf, in place; value i holds column tTR_cS[i][1] (static), bit c % 32 of word c // 32."""
+    for i in cutlass.range_constexpr(cute.size(s_row)):
+        c = tTR_cS[i][1]
+        hidden = (words[c // 32] & Uint32(1 << (c % 32))) == Uint32(0)
+        s_row[i] = -Float32.inf if hidden else s_row[i]

@@ -13,7 +13,9 @@ phase = (t // slots) & 1):
 
     full[s, c]   arrive count 1: the producer's arrive_and_expect_tx(chunk bytes); the TMA
                  of chunk c completes the transaction. Consumers wait (phase) before the
-                 k-steps that read chunk c.
+                 k-steps that read chunk c. Stage E's top-k gather: arrive count 128, one per
+                 producer thread (its cp.async rows' cp.async.mbarrier.arrive.noinc), or for a
+                 TMA tile one expect_tx and one arrive of count 128.
     empty[s]     arrive count = consumer warps: lane 0 of each consumer warp arrives once
                  the wgmma that read the slot last (PV) has completed. The producer waits
                  (phase ^ 1: the first use of every slot passes at once) before loading.
@@ -36,8 +38,9 @@ CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 
 class KvChunkRing:
     def __init__(self, full: cute.Pointer, empty: cute.Pointer, slots: int, chunks: int, chunk_bytes: int,
-                 consumer_warps: int):
+                 consumer_warps: int, full_arrivals: int = 1):
         self.full = full
+        self.full_arrivals = full_arrivals
         self.empty = empty
         self.slots = slots
         self.chunks = chunks
@@ -65,7 +68,7 @@ class KvChunkRing:
     def init(self):
         """One thread initialises every barrier (the caller fences and syncs the CTA)."""
         for i in cutlass.range_constexpr(self.slots * self.chunks):
-            cute.arch.mbarrier_init(self.full + i, 1)
+            cute.arch.mbarrier_init(self.full + i, self.full_arrivals)
         for s in cutlass.range_constexpr(self.slots):
             cute.arch.mbarrier_init(self.empty + s, self.consumer_warps)
 
@@ -81,7 +84,11 @@ class KvChunkRing:
         for c in cutlass.range_constexpr(self.chunks):
             bar = self.full + (s * self.chunks + c)
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.chunk_bytes)
+                if cutlass.const_expr(self.full_arrivals == 1):
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, self.chunk_bytes)
+                else:  # the gathering producer's barriers: this one arrival stands for every producer thread
+                    cute.arch.mbarrier_expect_tx(bar, self.chunk_bytes)
+                    cute.arch.mbarrier_arrive(bar, arrive_count=self.full_arrivals)
             cute.copy(tma_atom, src[None, n_block, c], dst[None, 0, c, s], tma_bar_ptr=bar)
 
     @cute.jit
@@ -108,6 +115,16 @@ class KvChunkRing:
             cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+
+def gather_offset(row, unit, chunk, slot, tile_n: int, head_dim: int):
+    """Element offset in the ring of the 16-byte unit ``unit`` (columns 8 unit .. 8 unit + 7) of
+    chunk ``chunk`` of row ``row`` of slot ``slot``: where a thread gathering that row by cp.async
+    writes it. The ring's layout, written out: slot s is tile_n x head_dim; chunk c (columns
+    64 c ..) is a (tile_n, 64) K-major block of tile_n 128-byte rows; the 128B swizzle moves unit u
+    of row r to unit u ^ (r % 8). Proven against ``make_tile_smem_layout`` on the host
+    (tests/test_e_sm90_host.py)."""
+    return slot * tile_n * head_dim + chunk * tile_n * CHUNK_COLS + row * CHUNK_COLS + (unit ^ (row % 8)) * 8
 
 
 def chunk_views(tma_atom: cute.CopyAtom, gKV: cute.Tensor, sKV: cute.Tensor, tile_n: int):

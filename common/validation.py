@@ -205,6 +205,34 @@ def check_compressed(compressed_kv, compress_ratio, k, v) -> None:
         raise ValueError("compressed entries are K = V rows: pass the window's keys as one tensor (k is v)")
 
 
+def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str) -> None:
+    """Top-k compressed entries: [batch, seqlen_q, k] int32 on q's device, the last dim contiguous,
+    every value -1 or an entry index in [0, n_compressed) (reads the values: one device sync, skipped
+    inside a CUDA graph capture, where the kernel's own bound check hides what lies outside). The
+    kernels gather one token's list per Q tile, so the query heads of a KV head must fill whole
+    tiles (``group`` a multiple of the kernel's ``tile_m`` rows)."""
+    if not isinstance(topk_indices, torch.Tensor):
+        raise ValueError(f"topk_indices must be a torch.Tensor or None; got {type(topk_indices).__name__}")
+    if topk_indices.dtype != torch.int32:
+        raise ValueError(f"topk_indices.dtype must be int32; got {topk_indices.dtype}")
+    b, sq = q.shape[0], q.shape[1]
+    if topk_indices.dim() != 3 or tuple(topk_indices.shape[:2]) != (b, sq):
+        raise ValueError(f"topk_indices must be [batch = {b}, seqlen_q = {sq}, k]; got {tuple(topk_indices.shape)}")
+    if topk_indices.device != q.device:
+        raise ValueError(f"topk_indices must be on {q.device} like q; got {topk_indices.device}")
+    if topk_indices.shape[2] > 1 and topk_indices.stride(2) != 1:
+        raise ValueError(f"topk_indices must have its last dim contiguous; got strides {topk_indices.stride()}")
+    if group % tile_m:
+        raise ValueError(f"topk_indices: each Q tile gathers one token's list, so the query heads per KV head "
+                         f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile")
+    if topk_indices.numel() == 0 or (topk_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = int(topk_indices.min()), int(topk_indices.max())
+    if lo < -1 or hi >= n_compressed:
+        raise ValueError(f"topk_indices values must be -1 or in [0, {n_compressed}) (compressed_kv's entries); "
+                         f"got min {lo}, max {hi}")
+
+
 def check_window(causal, window_size) -> tuple:
     """(left, right) with None for an unbounded side; causal means right = 0. Bounds are
     non-negative ints: no sentinel (such as -1) stands for "no window"."""

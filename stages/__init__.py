@@ -48,7 +48,7 @@ STAGES: list[Stage] = [
 FINAL = "e"
 
 
-def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = None,
+def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = None, topk_indices=None,
               softmax_scale: float | None = None, causal: bool = False, window_size=(None, None), seqused_k=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, learnable_sink=None, pack_gqa: bool | None = None, out=None,
@@ -65,10 +65,13 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     ``learnable_sink`` ([heads] fp32): the attention sink, O *= sigmoid(LSE - sink[h]).
     DeepSeek-V4: ``attention(q, kv, compressed_kv=ckv, compress_ratio=128, window_size=(127, 0),
     learnable_sink=sink)`` attends, in one softmax, to the window and to the compressed entries
-    j < floor((t' + 1) / ratio) (stage E). Returns (o like q, lse [batch, heads, seqlen_q] fp32,
-    natural log, without the sink; a row with no visible key has O = 0 and LSE = -inf).
+    j < floor((t' + 1) / ratio) (stage E; its HCA layers), or only those ``topk_indices``
+    ([batch, seqlen_q, k] int32, -1 padded) lists per token (its CSA layers). Returns (o like q,
+    lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row with no visible key has
+    O = 0 and LSE = -inf).
     """
     return get(FINAL).forward(q, k, v, compressed_kv=compressed_kv, compress_ratio=compress_ratio,
+                              topk_indices=topk_indices,
                               softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,

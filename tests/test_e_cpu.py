@@ -9,7 +9,7 @@ from dsv4_attention.common.compile import assert_within_budget
 from dsv4_attention.common.compressed import compressed_count, compressed_visible
 from dsv4_attention.common.merge import merge_attention
 from dsv4_attention.common.reference import attention, dsv4_index_attention, fused_attention
-from dsv4_attention.common.validation import check_compressed
+from dsv4_attention.common.validation import check_compressed, check_topk
 from dsv4_attention.stages import e_fused as stage
 
 pytestmark = [pytest.mark.stage_e]
@@ -55,6 +55,46 @@ def test_checker_rejects_an_off_by_one_spec_list():
     o_bad, _ = dsv4_index_attention(q[0], torch.cat([kv[0, :, 0], ckv[0, :, 0]]), off, torch.full((T,), off.shape[1]),
                                     None, scale=d ** -0.5)
     assert not torch.allclose(o[0], o_bad, atol=1e-6)
+
+
+def test_topk_reference_is_the_spec_function():
+    """Top-k: the spec's list is each token's window rows then its listed entries (the reference
+    drops the ones not yet visible; the spec's list would not hold them)."""
+    T, H, ratio, n_c, k, d = 150, 3, 4, 37, 20, 32
+    g = torch.Generator().manual_seed(3)
+    q, kv, ckv = (torch.randn(1, n, h, d, generator=g, dtype=torch.float64) for n, h in ((T, H), (T, 1), (n_c, 1)))
+    idx = torch.randint(-1, n_c, (1, T, k), generator=g, dtype=torch.int32)
+    o, lse = fused_attention(q, kv, compressed_kv=ckv, compress_ratio=ratio, topk_indices=idx, causal=True,
+                             window_size=(127, 0), softmax_scale=d ** -0.5)
+    t = torch.arange(T)[:, None]
+    win = spec_index_list(T, 128, ratio, 0)  # window rows only
+    listed = torch.where((idx[0] >= 0) & (idx[0] < (t + 1) // ratio), T + idx[0], -1).int()
+    full = torch.cat([win, listed], dim=1)
+    o_ref, lse_ref = dsv4_index_attention(q[0], torch.cat([kv[0, :, 0], ckv[0, :, 0]]), full,
+                                          torch.full((T,), full.shape[1]), None, scale=d ** -0.5)
+    assert torch.allclose(o[0], o_ref, atol=1e-12) and torch.allclose(lse[0].transpose(0, 1), lse_ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.zeros(2, 5, 4, dtype=torch.int64), "int32"),
+    (torch.zeros(2, 6, 4, dtype=torch.int32), "seqlen_q"),
+    (torch.zeros(5, 4, dtype=torch.int32), "batch"),
+    (torch.full((2, 5, 4), 8, dtype=torch.int32), "values"),
+    (torch.full((2, 5, 4), -2, dtype=torch.int32), "values"),
+    (torch.zeros(2, 5, 8, dtype=torch.int32)[..., ::2], "contiguous"),
+    ([0, 1], "torch.Tensor"),
+])
+def test_topk_checks(bad, match):
+    q = kv_like(2, 5, 128, 512)
+    with pytest.raises(ValueError, match=match):
+        check_topk(bad, q, 8, 128, 64, "sm90")
+
+
+def test_topk_needs_whole_tiles_of_one_token():
+    q = kv_like(2, 5, 32, 512)
+    with pytest.raises(ValueError, match="multiple"):
+        check_topk(torch.zeros(2, 5, 4, dtype=torch.int32), q, 8, 32, 64, "sm90")
+    check_topk(torch.full((2, 5, 4), -1, dtype=torch.int32), q, 8, 128, 64, "sm90")  # -1 everywhere is legal
 
 
 def test_fused_reference_is_the_merge_of_its_halves():
@@ -123,6 +163,11 @@ CASES = [
            "has_compressed": True}),
     (512, {"kv_shared": True, "pack_group": 64, "has_compressed": True}),
     (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_compressed": True}),
+    (512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_sink": True,
+           "has_compressed": True, "has_topk": True}),
+    (128, {"kv_shared": True, "pack_group": 128, "has_right": True, "has_compressed": True, "has_topk": True}),
+    (512, {"kv_shared": True, "pack_group": 64, "has_sink": True, "has_compressed": True, "has_topk": True,
+           "index_mode": True}),
 ]
 
 

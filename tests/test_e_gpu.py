@@ -4,7 +4,9 @@ index-list form (reference.dsv4_index_attention: the window's rows and the visib
 gathered key list). Head dims 128-512, packed groups 8-128, ratios 4 and 128, sequence lengths that
 are not tile multiples, seqlen_q below, at and above seqlen_k, more entries than any row sees
 (poisoned with huge values: a mask that lets one through fails loudly), requests with no key,
-bitwise repeatability, compute-sanitizer. Bad compressed inputs are refused before launch."""
+bitwise repeatability, compute-sanitizer. Top-k lists (CSA): random distinct entries with -1 padding
+and entries not yet visible, k not a tile multiple; lists that name only invisible entries (valued
+100) leak nothing; listing every entry equals the dense mode. Bad inputs refused before launch."""
 
 import pytest
 import torch
@@ -110,6 +112,121 @@ def test_equals_the_spec_index_form(arch, record_errors):
     assert (lse[0].double().transpose(0, 1) - lse_ref).abs().max().item() <= LSE_ABS
 
 
+def topk_lists(batch, seqlen_q, k, n_c, g, pad=0.2):
+    """[batch, seqlen_q, k] int32 distinct entries per token (a random permutation's head, so no
+    duplicates), some not yet visible, a share -1."""
+    idx = torch.stack([torch.stack([torch.randperm(n_c, generator=g)[:k] for _ in range(seqlen_q)])
+                       for _ in range(batch)]).int()
+    idx[torch.rand(idx.shape, generator=g) < pad] = -1
+    return idx.cuda()
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", [128, 512])
+@pytest.mark.parametrize("k", [64, 200, 512])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_topk_entries(arch, head_dim, k, heads, record_errors):
+    """DeepSeek-V4's CSA layer: the window and each token's listed entries (ratio 4), some listed
+    entries not yet visible (the kernel must hide them), -1 padding, k not a tile multiple."""
+    if heads == 64 and not (arch == "sm90" and head_dim == 512):
+        pytest.skip("this kernel's Q tiles hold 128 rows: 64 heads of one token do not fill them (refused before "
+                    "launch, tested below); only sm90's head-dim-512 tiles hold 64")
+    sq = 133
+    q, kv, _, g = attention_inputs(2, sq, sq, heads, 1, head_dim, torch.bfloat16, kv_shared=True)
+    n_c = max(k, sq // 4 + 20)
+    ckv = entries(2, n_c, head_dim, g)
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch,
+                    options={"compressed_kv": ckv, "compress_ratio": 4, "topk_indices": topk_lists(2, sq, k, n_c, g),
+                             "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_topk_hides_listed_entries_not_yet_visible(arch, record_errors):
+    """Every list names only entries past the token's count, valued 100: nothing of them may leak."""
+    sq, n_c = 100, 64
+    q, kv, _, g = attention_inputs(1, sq, sq, 64, 1, 512, torch.bfloat16, kv_shared=True)
+    ckv = entries(1, n_c, 512, g, poison_from=0)
+    t = torch.arange(sq)[:, None]
+    idx = (torch.clamp((t + 1) // 4, max=n_c - 1) + torch.arange(16)[None] % 8).clamp(max=n_c - 1)
+    idx = torch.where(idx >= (t + 1) // 4, idx, -1).int()[None].cuda()
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch,
+                    options={"compressed_kv": ckv, "compress_ratio": 4, "topk_indices": idx, "causal": True,
+                             "window_size": (127, 0)})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_topk_equals_dense_when_every_visible_entry_is_listed(arch):
+    """Listing every entry 0 .. n_c - 1 (the kernel hides the ones not yet visible) is the HCA
+    layer's function: the two modes agree to rounding (different tile orders of the same keys)."""
+    sq, n_c = 200, 50
+    q, kv, _, g = attention_inputs(1, sq, sq, 128, 1, 512, torch.bfloat16, kv_shared=True)
+    ckv = entries(1, n_c, 512, g)
+    idx = torch.arange(n_c, dtype=torch.int32).expand(1, sq, n_c).contiguous().cuda()
+    kw = {"compressed_kv": ckv, "compress_ratio": 4, "causal": True, "window_size": (127, 0)}
+    o1, l1 = stage.forward(q, kv, topk_indices=idx, **kw)
+    o2, l2 = stage.forward(q, kv, **kw)
+    assert (o1.float() - o2.float()).abs().max().item() < 2e-2 and (l1 - l2).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_bad_topk_is_refused_before_launch(arch):
+    q, kv, _, _ = attention_inputs(2, 10, 50, 128, 1, 512, torch.bfloat16, kv_shared=True)
+    c = torch.zeros(2, 8, 1, 512, device="cuda", dtype=torch.bfloat16)
+    good = torch.zeros(2, 10, 4, dtype=torch.int32, device="cuda")
+    for idx, match in [(good.long(), "int32"), (good[:, :5], "seqlen_q"), (good + 8, "values"),
+                       (good.cpu(), "must be on")]:
+        with pytest.raises(ValueError, match=match):
+            stage.forward(q, kv, compressed_kv=c, compress_ratio=4, topk_indices=idx)
+    with pytest.raises(ValueError, match="pass compressed_kv"):
+        stage.forward(q, kv, topk_indices=good)
+    q32, _, _, _ = attention_inputs(2, 10, 50, 32, 1, 512, torch.bfloat16, kv_shared=True)
+    with pytest.raises(ValueError, match="multiple"):
+        stage.forward(q32, kv, compressed_kv=c, compress_ratio=4, topk_indices=good)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("k", [128, 640, 70])
+def test_index_mode_is_the_spec_function(arch, heads, k, record_errors):
+    """FlashMLA's sparse attention semantics (``index_attention``) against the spec's reference on
+    the same lists: random rows with -1 padding, per-token topk_length (0 included: O = 0,
+    LSE = -inf), sink."""
+    if heads == 64 and arch != "sm90":
+        pytest.skip("only sm90's head-dim-512 tiles hold 64 rows (one token's 64 heads)")
+    T, N = 150, 900
+    g = fresh_generator()
+    q = random_bshd(1, T, heads, 512, torch.bfloat16, "cuda", generator=g)[0]
+    kv = random_bshd(1, N, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
+    idx = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)]).int()
+    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
+    length = torch.randint(0, k + 1, (T,), generator=g).int()
+    length[:3] = torch.tensor([0, k, 1])
+    s = sink(heads, g)
+    o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    _, lse = stage.index_attention(q, kv, idx[:, None].cuda(), topk_length=length.cuda(), attn_sink=s, out=o)
+    o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], idx.cuda(), length.cuda(), s)
+    e = errors(o, o_ref)
+    record_errors(e, arch=arch, case="index mode", heads=heads, k=k)
+    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+    empty = torch.isneginf(lse_ref)
+    assert bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
+    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_index_mode_refuses_bad_input(arch):
+    q = torch.zeros(10, 64, 512, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros(20, 1, 512, device="cuda", dtype=torch.bfloat16)
+    idx = torch.zeros(10, 1, 8, device="cuda", dtype=torch.int32)
+    for args, kw, match in [((q, kv, idx + 20), {}, "values"), ((q, kv, idx[:5]), {}, "tokens"),
+                            ((q, kv[:, :, :256], idx), {}, "head_dim"), ((q, kv, idx.long()), {}, "int32"),
+                            ((q, kv, idx), {"topk_length": torch.full((10,), 9, dtype=torch.int32, device="cuda")},
+                             "topk_length"),
+                            ((q[:, :32], kv, idx), {}, "multiple"), ((q, kv[:, 0], idx), {}, "rank-3")]:
+        with pytest.raises(ValueError, match=match):
+            stage.index_attention(*args, **kw)
+
+
 @pytest.mark.parametrize("arch", gpu_arch_params())
 def test_without_entries_equals_stage_d5(arch):
     from dsv4_attention.stages import d5_sink_merge
@@ -141,10 +258,13 @@ def test_bad_compressed_input_is_refused_before_launch(arch):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
-def test_bitwise_repeatable(arch):
+@pytest.mark.parametrize("topk", [False, True], ids=["hca", "topk"])
+def test_bitwise_repeatable(arch, topk):
     q, kv, _, g = attention_inputs(2, 300, 700, 128, 1, 512, torch.bfloat16, kv_shared=True)
     kw = {"compressed_kv": entries(2, 175, 512, g), "compress_ratio": 4, "causal": True, "window_size": (127, 0),
           "learnable_sink": sink(128, g)}
+    if topk:
+        kw["topk_indices"] = topk_lists(2, 300, 128, 175, g)
     o1, l1 = stage.forward(q, kv, **kw)
     o2, l2 = stage.forward(q, kv, **kw)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -161,6 +281,8 @@ stage.forward(q, kv, compressed_kv=c, compress_ratio=4, learnable_sink=torch.ran
 q8 = torch.randn(2, 77, 8, 128, device="cuda").bfloat16()
 k8 = torch.randn(2, 150, 1, 128, device="cuda").bfloat16()
 stage.forward(q8, k8, compressed_kv=torch.randn(2, 9, 1, 128, device="cuda").bfloat16(), compress_ratio=16)
+idx = torch.randint(-1, 80, (2, 130, 200), device="cuda", dtype=torch.int32)
+stage.forward(q, kv, compressed_kv=c, compress_ratio=4, topk_indices=idx, causal=True, window_size=(127, 0))
 torch.cuda.synchronize()
 print("sanitized case ran")
 """

@@ -387,6 +387,418 @@ def test_tma_checker_rejects_wrong_sources(cls):
 
 
 # ---------------------------------------------------------------------------------------
+# 5. top-k (CSA) and index mode: the softmax's list masks, run on the host
+
+
+def build_topk_mask_runner(kernel):
+    """``build_mask_runner`` for a top-k kernel: the span gets the token lists (seqlen_q, k) of one
+    request; the mask's warp ballots are assembled by a loop over the 32 lanes (``topk_words_on_host``)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.jit import as_cute
+    from dsv4_attention.common.tmem import placeholder_tmem_base
+
+    kernel.topk_words_on_host = True
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32,
+             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32):
+        span = kernel.kv_span(m_blk, rows, seqlen_k, left, right, ratio, n_compressed, topk)
+        info[0] = span.origin
+        info[1] = span.n_tiles
+        info[2] = span.n_cmp
+        for t in cutlass.range(EPI_THREADS, unroll=1):
+            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
+            keys = kernel.row_keys(span, m_blk, tTR_cS)
+            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(s_row)):
+                coords[t, i, 0] = tTR_cS[i][0]
+                coords[t, i, 1] = tTR_cS[i][1]
+            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
+                s_row.fill(0.0)
+                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
+                for i in cutlass.range_constexpr(cute.size(s_row)):
+                    out[t, it, i] = s_row[i]
+
+    bufs = run_buffers(kernel.plan.tile_n)[:3]
+    with target_arch("sm100"):
+        return cute.compile(host, *[from_dlpack(b) for b in bufs], as_cute(torch.zeros(2, 70, dtype=torch.int32)),
+                            *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1)], options=f"--gpu-arch={GPU_ARCH['sm100']}")
+
+
+@functools.cache
+def topk_mask_runner(name: str):
+    kernel = TOPK_KERNELS[name]()
+    return kernel, build_topk_mask_runner(kernel)
+
+
+def topk_lists(seqlen_q: int, k: int, entries: int, seed: int) -> torch.Tensor:
+    """[seqlen_q, k] int32: distinct entries in random order, about a quarter of the positions -1
+    (anywhere in the list, and a -1 tail), every value in [-1, entries)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((seqlen_q, k), -1, dtype=torch.int32)
+    for t in range(seqlen_q):
+        n = min(entries, k - k // 8)
+        out[t, :n] = torch.randperm(entries, generator=gen)[:n].to(torch.int32)
+        out[t, :n][torch.rand(n, generator=gen) < 0.25] = -1
+    return out
+
+
+def topk_kept_triples(name: str, m_blk: int, case: dict, topk: torch.Tensor):
+    """{(packed row, source, key): times kept} as ``kept_triples``, a compressed tile's column c of
+    visit n being list position p = n T + c, its key the entry topk[token, p]."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common.jit import as_cute
+
+    kernel, fn = topk_mask_runner(name)
+    g, tile_n = kernel.pack_group, kernel.plan.tile_n
+    sq, sk = case["seqlen_q"], case["seqlen_k"]
+    left, right = case["window"]
+    out, coords, info = run_buffers(tile_n)[:3]
+    fn(*[from_dlpack(b) for b in (out, coords, info)], as_cute(topk),
+       *[Int32(x) for x in (m_blk, sq * g, sk, left, right, case["ratio"], case["entries"])])
+    origin, n_tiles, n_cmp = info.tolist()
+    assert 1 <= n_tiles <= MAX_VISITS and n_cmp == -(-topk.shape[1] // tile_n), (origin, n_tiles, n_cmp)
+    kept = {}
+    for it in range(n_tiles):
+        n = n_tiles - 1 - it
+        vals = out[:, it, :]
+        assert bool(torch.all((vals == 0) | (vals == -float("inf")))), "a value neither kept nor -inf"
+        t_idx, v_idx = torch.nonzero(vals == 0, as_tuple=True)
+        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
+            row, col = coords[t, v].tolist()
+            packed = m_blk * QK_TILE_M + row
+            token = packed // g
+            if n < n_cmp:
+                p = n * tile_n + col
+                key = (packed, "c", int(topk[token, p]) if p < topk.shape[1] else ("past k", p))
+            else:
+                key = (packed, "w", origin + (n - n_cmp) * tile_n + col)
+            kept[key] = kept.get(key, 0) + 1
+    return kept, (origin, n_tiles, n_cmp)
+
+
+def topk_mask_failures(name: str, case: dict, expect_index: bool | None = None) -> list[str]:
+    """Every way "the kernel keeps exactly the visible listed entries and the window's keys of the
+    real rows, each once" breaks. Index mode (``expect_index``, default the kernel's own mode): the
+    lists are the only keys, every listed entry in [0, entries) visible, no window tile."""
+    from dsv4_attention.common.compressed import topk_visible
+
+    kernel, _ = topk_mask_runner(name)
+    index = kernel.index_mode if expect_index is None else expect_index
+    g = kernel.pack_group
+    sq, sk, ratio, entries, k = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"], case["k"]
+    left, right = case["window"]
+    left, right = (left if kernel.has_left else None), (right if kernel.has_right else None)
+    topk = topk_lists(sq, k, entries, case.get("seed", 0))
+    fails = []
+    for m_blk in range(sq * g // QK_TILE_M):
+        kept, span = topk_kept_triples(name, m_blk, case, topk)
+        want = set()
+        for r in range(m_blk * QK_TILE_M, (m_blk + 1) * QK_TILE_M):
+            token = r // g
+            if index:
+                want |= {(r, "c", int(topk[token, p])) for p in range(k) if 0 <= int(topk[token, p]) < entries}
+                continue
+            want |= {(r, "w", j) for j in range(sk) if kv_span.visible(token, j, sq, sk, left, right)}
+            want |= {(r, "c", int(topk[token, p])) for p in range(k)
+                     if topk_visible(token, p, int(topk[token, p]), sq, sk, ratio, entries, k)}
+        if index and span[1] != span[2]:
+            fails.append(f"m_blk {m_blk} span {span}: index mode visits a window tile")
+        twice = sorted(p for p, n in kept.items() if n > 1)
+        extra = sorted(set(kept) - want, key=str)
+        missing = sorted(want - set(kept), key=str)
+        for what, pairs in (("held twice", twice), ("kept but hidden", extra), ("visible but masked", missing)):
+            if pairs:
+                fails.append(f"m_blk {m_blk} span {span}: {len(pairs)} {what}, e.g. {pairs[:3]}")
+    return fails
+
+
+class TopkCountIgnored(FlashAttentionESm100):
+    """Wrong: a listed entry taken as visible whatever the token's count (n_compressed instead)."""
+
+    def row_keys(self, span, m_blk, tTR_cS):
+        window, _ = super().row_keys(span, m_blk, tTR_cS)
+        return window, span.n_compressed
+
+
+class TopkPositionOffByOne(FlashAttentionESm100):
+    """Wrong: column c of compressed tile n read as list position n T + c + 1."""
+
+    @cute.jit
+    def mask_s_row(self, s_row, tTR_cS, span, keys, it):
+        from dsv4_attention.common.sm100_softmax import mask_topk_row, topk_tile_words
+
+        n = span.n_tiles - 1 - it
+        if n < span.n_cmp:
+            _, count = keys
+            words = topk_tile_words(span.idx_row, n * span.tile_n + 1, count, span.k, span.tile_n, 0, True)
+            mask_topk_row(s_row, tTR_cS, words)
+        else:
+            FlashAttentionESm100.mask_s_row(self, s_row, tTR_cS, span, keys, it)
+
+
+TOPK_512 = dict(HCA_512, has_topk=True)
+TOPK_KERNELS = {
+    "topk-hd512-g128": lambda: make_kernel(512, **TOPK_512),
+    "topk-hd512-g256": lambda: make_kernel(512, **dict(TOPK_512, pack_group=256)),
+    "topk-hd128-g128": lambda: make_kernel(128, kv_shared=True, pack_group=128, has_right=True,
+                                           has_compressed=True, has_topk=True),
+    "index-hd512-g128": lambda: make_kernel(512, kv_shared=True, pack_group=128, has_sink=True, has_compressed=True,
+                                            has_topk=True, index_mode=True),
+    "wrong-topk-count-ignored": lambda: make_kernel(512, cls=TopkCountIgnored, **TOPK_512),
+    "wrong-topk-position-off-by-one": lambda: make_kernel(512, cls=TopkPositionOffByOne, **TOPK_512),
+}
+TOPK_CASES = {  # entries / counts: tokens 994 .. 999 see 248 .. 250 of 300 entries; lists name all 300
+    "topk-hd512-g128": [
+        dict(seqlen_q=6, seqlen_k=1000, window=W127, ratio=4, entries=300, k=128),  # 2 compressed tiles
+        dict(seqlen_q=6, seqlen_k=1000, window=W127, ratio=4, entries=300, k=200, seed=1),  # 4, the last cut
+        dict(seqlen_q=4, seqlen_k=3, window=W127, ratio=4, entries=20, k=200, seed=2),  # counts 0, 0, 0, 1
+        dict(seqlen_q=3, seqlen_k=500, window=W127, ratio=4, entries=100, k=128, seed=3),  # count = entries
+    ],
+    "topk-hd512-g256": [  # two Q tiles per token
+        dict(seqlen_q=3, seqlen_k=1000, window=W127, ratio=4, entries=300, k=200, seed=4),
+        dict(seqlen_q=3, seqlen_k=1000, window=W127, ratio=4, entries=300, k=128, seed=5),
+    ],
+    "index-hd512-g128": [  # FlashMLA's semantics: lists of rows of one tensor, no window, no count
+        dict(seqlen_q=6, seqlen_k=1000, window=(0, 0), ratio=1, entries=300, k=200, seed=7),
+        dict(seqlen_q=3, seqlen_k=5, window=(0, 0), ratio=1, entries=100, k=70, seed=8),
+    ],
+    "topk-hd128-g128": [  # 128-key tiles: 4 ballot words; causal only (window (0, 0) ignored on the left)
+        dict(seqlen_q=4, seqlen_k=700, window=(0, 0), ratio=4, entries=300, k=200, seed=6),
+    ],
+}
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", [
+    pytest.param(n, c, id=f"{n}-{i}") for n, cs in TOPK_CASES.items() for i, c in enumerate(cs)
+])  # fmt: skip
+def test_topk_masks_keep_exactly_the_listed_visible_entries(name, case):
+    assert topk_mask_failures(name, case) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["wrong-topk-count-ignored", "wrong-topk-position-off-by-one"])
+def test_topk_mask_checker_rejects_wrong_masks(name):
+    case = dict(seqlen_q=6, seqlen_k=1000, window=W127, ratio=4, entries=300, k=200, seed=1)
+    assert topk_mask_failures(name, case) != []
+
+
+class GatherRowsNotClamped(FlashAttentionESm100):
+    """Wrong: an entry the token cannot see yet (idx >= count) gathered as listed."""
+
+    @cute.jit
+    def gather_rows(self, span, tile, row0, first=0, n=None):
+        rows = cute.make_rmem_tensor((span.tile_n,), Int32)
+        for c in cutlass.range_constexpr(span.tile_n):
+            p = tile * span.tile_n + c
+            j = span.idx_row[cutlass.min(p, span.k - 1)]
+            rows[c] = row0 + (j if (p < span.k) & (j >= 0) else Int32(0))
+        return rows
+
+
+def gathered_rows(head_dim: int, options: dict, case: dict, cls=FlashAttentionESm100):
+    """Run the TMA warp's ``gather_rows`` on the CPU for every compressed tile of every Q tile:
+    {(m_blk, tile): [2D row of box row r]} and what the lists say: row0 + idx[tile T + r] where
+    visible, row0 (entry 0) elsewhere (row0 = b * entries, b = 1 here)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.compressed import topk_visible
+    from dsv4_attention.common.jit import as_cute
+
+    kernel = make_kernel(head_dim, cls=cls, **options)
+    tile_n, g = kernel.plan.tile_n, kernel.pack_group
+    sq, sk, ratio, entries, k = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"], case["k"]
+    max_tiles = 8
+
+    @cute.jit
+    def host(out: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32, rows: Int32, seqlen_k: Int32,
+             ratio: Int32, n_compressed: Int32, row0: Int32):
+        span = kernel.kv_span(m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk)
+        info[0] = span.n_cmp
+        for tile in cutlass.range(span.n_cmp, unroll=1):
+            got = kernel.gather_rows(span, tile, row0)
+            for r in cutlass.range_constexpr(tile_n):
+                out[tile, r] = got[r]
+
+    topk = topk_lists(sq, k, entries, case.get("seed", 0))
+    out, info = torch.zeros(max_tiles, tile_n, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with target_arch("sm100"):
+        fn = cute.compile(host, from_dlpack(out), from_dlpack(info), as_cute(topk), *[Int32(0)] * 6,
+                          options=f"--gpu-arch={GPU_ARCH['sm100']}")
+    got, want = {}, {}
+    row0 = entries  # batch 1
+    for m_blk in range(sq * g // QK_TILE_M):
+        fn(from_dlpack(out), from_dlpack(info), as_cute(topk),
+           *[Int32(x) for x in (m_blk, sq * g, sk, ratio, entries, row0)])
+        n_cmp = int(info[0])
+        assert n_cmp == -(-k // tile_n) <= max_tiles
+        token = m_blk * QK_TILE_M // g
+        for tile in range(n_cmp):
+            got[(m_blk, tile)] = out[tile].tolist()
+            want[(m_blk, tile)] = [
+                row0 + (int(topk[token, p]) if p < k and topk_visible(token, p, int(topk[token, p]), sq, sk, ratio,
+                                                                      entries, k) else 0)
+                for p in range(tile * tile_n, tile * tile_n + tile_n)]
+    return got, want
+
+
+GATHER_CASE = dict(seqlen_q=4, seqlen_k=1000, ratio=4, entries=300, k=200, seed=7)
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,options", [(512, TOPK_512), (512, dict(TOPK_512, pack_group=256)),
+                                              (128, {"kv_shared": True, "pack_group": 128, "has_compressed": True,
+                                                     "has_topk": True})])
+def test_topk_gathered_rows_are_the_listed_entries(head_dim, options):
+    got, want = gathered_rows(head_dim, options, GATHER_CASE)
+    assert first_mismatches(want, got) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_topk_gathered_rows_checker_rejects_unclamped_rows():
+    got, want = gathered_rows(512, TOPK_512, GATHER_CASE, cls=GatherRowsNotClamped)
+    assert first_mismatches(want, got) != []
+
+
+class GatherColumnsOfHeadZero(FlashAttentionESm100):
+    """Wrong: the gather's columns not shifted to kv head hk's head_dim slice."""
+
+    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b):
+        gC, _, row0 = super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b)
+        return gC, 0, row0
+
+
+def topk_gather_copies(head_dim: int, options: dict, cls=FlashAttentionESm100, hk: int = 1, b: int = 1):
+    """The TMA warp's ``load_k_block`` traced (as ``tma_sources``) on a top-k span: for every tile and
+    K block, the atom, the box's first coordinate (column, row) and, for a gather, which registers
+    of the tile's ``gather_rows`` each gather4 instruction takes (offsets into them: instruction z
+    must take box rows 4 z .. 4 z + 3, each group once per 64 columns). Window tiles: K's atom at
+    origin + (n - n_cmp) T."""
+    from cutlass.cute.nvgpu import cpasync, tcgen05
+
+    from dsv4_attention.common.layout_proof import as_ints, trace
+    from dsv4_attention.common.layouts import seq_major
+    from dsv4_attention.common.sm100_kv import block_rows_layout
+    from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
+
+    kernel = make_kernel(head_dim, cls=cls, **options)
+    plan = kernel.plan
+    S, C, HK, B, SQ, K = 1000, 300, 2, 2, 4, 200
+
+    def bshd(seqlen, base):
+        ptr = cute.make_ptr(BF16, base, cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout((B, seqlen, HK, head_dim),
+                                                      stride=(seqlen * HK * head_dim, HK * head_dim, head_dim, 1)))
+
+    def body():
+        qk, pv = make_qk_mma(BF16, plan), make_pv_mma(BF16, plan)
+        _, k_ring, v_ring, _ = make_smem_layouts(BF16, plan, qk, pv)
+        op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        k_block = cute.select(k_ring, mode=[0, 1, 2])
+        atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(op, seq_major(bshd(S, 0)), k_block,
+                                                         (QK_TILE_M, plan.tile_n, plan.d_block), qk)
+        iptr = cute.make_ptr(Int32, 1 << 31, cute.AddressSpace.gmem, assumed_align=16)
+        topk = cute.make_tensor(iptr, cute.make_layout((B, SQ, K), stride=(SQ * K, K, 1)))
+        atom_c, tma_c = kernel.compressed_tma_atom(op, bshd(C, 1 << 30), k_ring, qk, topk)
+        smem = cute.make_ptr(BF16, 1024, cute.AddressSpace.smem, assumed_align=1024)
+        sK = cute.make_tensor(cute.recast_ptr(smem, k_ring.inner), k_ring.outer)
+        sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
+        span = kernel.kv_span(1, SQ * kernel.pack_group, S, 127, 0, 4, tma_c.shape[0], topk[b, None, None])
+        _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
+        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b)
+        _, tKsK = cpasync.tma_partition(atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                        cute.group_modes(qk.get_slice(0).partition_B(
+                                            cute.local_tile(tma_k[None, None, 0, 0], (plan.tile_n, plan.d_block),
+                                                            (None, None))), 0, 3))[::-1]
+        names = {id(atom_k): "k", id(atom_c): "c"}
+        got = {}
+        real_copy = cute.copy
+        sC = block_rows_layout(cute.select(kernel.k_block_outer(), mode=[0, 1, 2]))
+
+        def record(atom, src, dst, **_):
+            if isinstance(src, list):
+                coord, idx = src
+                # one gather4 instruction: a run of 4 rows x 64 columns (128 bytes) of the index values
+                # (colexicographic: the atom's value mode first); the registers each reads, in any order
+                run = 4 * 64
+                per_inst = sorted(sorted({int(idx.layout(e)) for e in range(z * run, z * run + run)})
+                                  for z in range(cute.size(idx) // run))
+                got.setdefault(current, []).append((names[id(atom)], as_ints(tuple(coord.iterator)), per_inst))
+            else:
+                got[current] = (names[id(atom)], as_ints(tuple(src.iterator)))
+
+        def record_rows(span_, tile, row0, first=0, n=None):
+            got.setdefault(current, []).append(("rows", int(tile), int(first), n))
+            return real_gather_rows(span_, tile, row0, first, n)
+
+        load_k_block = type(kernel).load_k_block.__wrapped__
+        gather_group = type(kernel).gather_group.__wrapped__
+        real_gather_rows = kernel.gather_rows
+        cute.copy, kernel.gather_rows = record, record_rows
+        try:
+            for n in range(span.n_tiles):
+                for kb in range(plan.blocks):
+                    current = (n, kb)
+                    if n < span.n_cmp:  # the method's own source as plain Python (see tma_sources)
+                        views = kernel.gather_views(span, kb, atom_c, tCgC, tKsK[None, 0])
+                        # the SMEM view: instruction value (column i, row y) of group g, part h at box
+                        # row 4 g + y, column 64 h + i
+                        smem = views[2].layout
+                        parts = plan.d_block // 64
+                        got[(n, kb, "smem")] = all(
+                            int(smem(i + 64 * y + 256 * g + 256 * (plan.tile_n // 4) * h))
+                            == int(sC((4 * g + y, 64 * h + i)))
+                            for i in range(64) for y in range(4) for g in range(plan.tile_n // 4)
+                            for h in range(parts))
+                        for g in range(plan.tile_n // 4):
+                            gather_group(kernel, span, n, g, tCgC[2], views, atom_c, None)
+                    else:
+                        load_k_block(kernel, span, n, kb, atom_k, tKgK, atom_c, tCgC, tKsK[None, 0], None)
+        finally:
+            cute.copy = real_copy
+            del kernel.gather_rows
+        return got, (span.origin, span.n_tiles, span.n_cmp)
+
+    got, (origin, n_tiles, n_cmp) = trace(body)
+    # group g of the box: its 4 rows computed (list positions n T + 4 g ..) into the 4 index registers, then
+    # one instruction per 64-column part of the K block (128-byte TMA rows), each reading all 4 registers,
+    # from the group's coordinates (column, box row 4 g); the SMEM view puts them at box rows 4 g ..
+    inst = [[0, 1, 2, 3]] * (plan.d_block // 64)
+    want = {(n, kb): [x for g in range(plan.tile_n // 4)
+                      for x in (("rows", n, 4 * g, 4), ("c", (hk * head_dim + kb * plan.d_block, 4 * g), inst))]
+            if n < n_cmp else ("k", (kb * plan.d_block, origin + (n - n_cmp) * plan.tile_n, hk, b))
+            for n in range(n_tiles) for kb in range(plan.blocks)}
+    want.update({(n, kb, "smem"): True for n in range(n_cmp) for kb in range(plan.blocks)})
+    return got, want, (origin, n_tiles, n_cmp)
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,options", [(512, TOPK_512), (128, {"kv_shared": True, "pack_group": 128,
+                                                                     "has_compressed": True, "has_topk": True})])
+def test_topk_gather_copies_take_the_tiles_rows(head_dim, options):
+    got, want, span = topk_gather_copies(head_dim, options)
+    assert span[2] >= 2 and span[1] > span[2], span
+    assert first_mismatches(want, got) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_topk_gather_checker_rejects_wrong_columns():
+    got, want, _ = topk_gather_copies(512, TOPK_512, cls=GatherColumnsOfHeadZero)
+    assert first_mismatches(want, got) != []
+
+
+# ---------------------------------------------------------------------------------------
 # 3. seams
 
 
@@ -412,7 +824,11 @@ def test_seams():
 
 COMPILE_CASES = [
     (512, HCA_512),
+    (512, dict(HCA_512, has_topk=True)),
+    (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
+           "index_mode": True}),
     (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_sink": True, "has_compressed": True}),
+    (128, {"kv_shared": True, "pack_group": 128, "has_right": True, "has_compressed": True, "has_topk": True}),
 ]
 
 
@@ -423,3 +839,14 @@ def test_sm100_compiles_within_budget(head_dim, options):
     from dsv4_attention.common.compile import assert_within_budget
 
     assert_within_budget("e", "sm100", "bfloat16", head_dim, options=options, min_tmem_columns=256)
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_index_mode_checker_rejects_the_other_mode():
+    """Negative control: the top-k kernel judged by index mode's formula, and the index-mode kernel
+    by top-k's, both fail."""
+    topk_case = dict(seqlen_q=6, seqlen_k=1000, window=W127, ratio=4, entries=300, k=200, seed=1)
+    assert topk_mask_failures("topk-hd512-g128", topk_case, expect_index=True) != []
+    index_case = dict(seqlen_q=6, seqlen_k=1000, window=(0, 0), ratio=4, entries=300, k=200, seed=7)
+    assert topk_mask_failures("index-hd512-g128", index_case, expect_index=False) != []

@@ -60,7 +60,7 @@ def kernel_class(wrong: str | None):
         return FlashAttentionESm90
     if wrong == "floor_t":
         class FloorT(FlashAttentionESm90):
-            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c):
+            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk):
                 return FloorTSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
                                   self.has_left, self.has_right, ratio, n_c)
 
@@ -73,6 +73,35 @@ def kernel_class(wrong: str | None):
                 return False
         return FirstOnly
     raise ValueError(wrong)
+
+
+def mask_replayer(kernel):
+    """A DSL function (called while a host function is traced) replaying every consumer thread's
+    masking of every visit of a span's tiles, as the kernel's consumer loop runs it (``mask_s``:
+    first visit, then the rest), on accumulators of zeros: out[thread, visit, value] (0 kept, -inf
+    hidden) and coords[thread, value] = (row, column) in the tile."""
+
+    @cute.jit
+    def replay(qk_mma: cute.TiledMma, span, first_row: Int32, out: cute.Tensor, coords: cute.Tensor):
+        for tidx in cutlass.range(kernel.consumer_threads, unroll=1):
+            wg = tidx // THREADS_PER_WARPGROUP
+            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
+            tScS = kernel.s_coords(wg, thr)
+            acc = cute.make_rmem_tensor(tScS.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                coords[tidx, i, 0] = tScS[i][0]
+                coords[tidx, i, 1] = tScS[i][1]
+            acc.fill(0.0)
+            kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                out[tidx, 0, i] = acc[i]
+            for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
+                acc.fill(0.0)
+                kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    out[tidx, it, i] = acc[i]
+
+    return replay
 
 
 KERNELS = {  # name: (head_dim, options)
@@ -94,33 +123,17 @@ def runner(name: str, window: bool, wrong: str | None = None):
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True,
                                  has_left=window, has_right=window, **options)
     threads = kernel.consumer_threads
+    replay = mask_replayer(kernel)
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, m_block: Int32, rows: Int32,
              seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c)
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, None)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
-        first_row = m_block * kernel.tile_m
-        for tidx in cutlass.range(threads, unroll=1):
-            wg = tidx // THREADS_PER_WARPGROUP
-            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
-            tScS = kernel.s_coords(wg, thr)
-            acc = cute.make_rmem_tensor(tScS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                coords[tidx, i, 0] = tScS[i][0]
-                coords[tidx, i, 1] = tScS[i][1]
-            acc.fill(0.0)
-            kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                out[tidx, 0, i] = acc[i]
-            for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                acc.fill(0.0)
-                kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    out[tidx, it, i] = acc[i]
+        replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
     vals = kernel.tile_m * kernel.tile_n // threads
     bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
@@ -212,3 +225,195 @@ def test_span_visits_only_tiles_with_visible_entries():
             count = min(n_c, max(t_hi + sk - sq + 1, 0) // ratio)
             assert span.n_cmp == -(-count // 64)
             assert span.n_tiles == span.n_cmp + span.window_tiles
+
+
+# ---------------------------------------------------------------------------------------
+# top-k (CSA): the gathered rows, their SMEM addresses and the list masks
+
+
+def test_gather_offsets_are_the_ring_layout():
+    """``gather_offset`` (where a producer thread's cp.async writes unit u of row r, chunk c, slot s)
+    is the byte the ring's own SMEM layout (``make_tile_smem_layout``, the layout TMA fills and the
+    wgmma reads) puts there, for every (row, 16-byte unit, chunk, slot); negative control: the same
+    formula without the swizzle's XOR."""
+    from dsv4_attention.common.layout_proof import swizzle_bytes, trace
+    from dsv4_attention.common.sm90_gemm import make_tile_smem_layout
+    from dsv4_attention.common.sm90_kv_chunks import gather_offset
+
+    tile_n, d, slots = 64, 512, 2
+
+    def body():
+        lay = make_tile_smem_layout(cutlass.BFloat16, tile_n, d, slots)
+        out = {}
+        for s in range(slots):
+            for r in range(tile_n):
+                for col in range(0, d, 8):
+                    out[(r, col, s)] = int(cute.crd2idx((r, col, s), lay.outer))
+        return out, str(lay.inner)
+
+    offsets, swz = trace(body, arch="sm90")
+    assert swz == "S<3,4,3>", swz
+    bad, bad_plain = [], 0
+    for (r, col, s), off in offsets.items():
+        want = swizzle_bytes(2 * off, 3, 4, 3)
+        got = 2 * gather_offset(r, (col % 64) // 8, col // 64, s, tile_n, d)
+        if got != want:
+            bad.append(((r, col, s), got, want))
+        plain = 2 * (s * tile_n * d + (col // 64) * tile_n * 64 + r * 64 + col % 64)
+        bad_plain += plain != want
+    assert bad == [], bad[:5]
+    assert bad_plain > 0  # the checker sees a missing swizzle
+
+
+TOPK_KERNELS = {"split-g128": (512, {"pack_group": 128}), "rows-g128": (128, {"pack_group": 128})}
+
+
+@functools.cache
+def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
+
+    class NoCount(FlashAttentionESm90):
+        """Wrong on purpose: listed entries count as visible whatever the token's position."""
+
+        def kv_span(self, *args):
+            span = super().kv_span(*args)
+            span.count = span.n_compressed
+            return span
+
+    head_dim, options = TOPK_KERNELS[name]
+    cls = NoCount if wrong == "no_count" else FlashAttentionESm90
+    kernel = cls(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True, has_topk=True,
+                 has_left=not index_mode, has_right=not index_mode, index_mode=index_mode, **options)
+    threads = kernel.consumer_threads
+    replay = mask_replayer(kernel)
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, rows_out: cute.Tensor, idx: cute.Tensor,
+             m_block: Int32, rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32):
+        qk_mma, _ = kernel.make_mmas()
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, idx)
+        info[0] = span.origin
+        info[1] = span.n_tiles
+        info[2] = span.n_cmp
+        for n in cutlass.range(span.n_cmp, unroll=1):  # the producer's source row of every tile row
+            for r in cutlass.range(kernel.tile_n, unroll=1):
+                rows_out[n, r] = kernel.gather_source_row(span, n, r)
+        replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
+
+    vals = kernel.tile_m * kernel.tile_n // threads
+    bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32), torch.zeros(MAX_VISITS, kernel.tile_n, dtype=torch.int32),
+            torch.zeros(10, 7, dtype=torch.int32))
+    with target_arch("sm90"):
+        # the list's shape is dynamic, as the kernel receives it (jit.as_cute)
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs[:4]], jit.as_cute(bufs[4]), *([Int32(1)] * 7),
+                          options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    return kernel, fn
+
+
+def topk_case(seed, seqlen_q, seqlen_k, ratio, n_c, k):
+    """A random [seqlen_q, k] list per token: visible and not-yet-visible entries, -1 padding."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n_c, (seqlen_q, k), generator=g, dtype=torch.int32)
+    idx[torch.rand(seqlen_q, k, generator=g) < 0.2] = -1
+    return idx
+
+
+def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 80, 128), (5, 1000, 128, 9, 70)),
+                  index_mode=False, expect_index=None):
+    """Every way "the masks keep exactly the visible listed entries (and the window), each once, and
+    the producer gathers the listed row where visible, row 0 elsewhere" breaks. Index mode: the
+    lists are the only keys and every listed row (0 <= idx < entries) is visible."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.compressed import compressed_count
+
+    kernel, fn = topk_runner(name, wrong, index_mode)
+    if expect_index is not None:  # judge this kernel by the other mode's formula (negative controls)
+        index_mode = expect_index
+    g, tile_n, tile_m = kernel.pack_group, kernel.tile_n, kernel.tile_m
+    bad = []
+    for sq, sk, ratio, n_c, k in problems:
+        idx = topk_case(sq + k, sq, sk, ratio, n_c, k)
+        tiles = sq * g // tile_m
+        for m in sorted({0, 1, tiles // 2, tiles - 1}):
+            threads = kernel.consumer_threads
+            vals = tile_m * tile_n // threads
+            out, coords = torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
+            info, rows_out = torch.zeros(3, dtype=torch.int32), torch.full((MAX_VISITS, tile_n), -7, dtype=torch.int32)
+            fn(*[from_dlpack(b) for b in (out, coords, info, rows_out)], jit.as_cute(idx),
+               *[Int32(x) for x in (m, sq * g, sk, 127, 0, ratio, n_c)])
+            origin, n_tiles, n_cmp = info.tolist()
+            token = m * tile_m // g
+            count = n_c if index_mode else compressed_count(token, sq, sk, ratio, n_c)
+            kept = {}
+            for it in range(n_tiles):
+                n = n_tiles - 1 - it
+                t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
+                for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
+                    row, col = coords[t, v].tolist()
+                    if n < n_cmp:
+                        p = n * tile_n + col
+                        key = (row, "c", int(idx[token, p]) if p < k else None, p)
+                    else:
+                        key = (row, "w", origin + (n - n_cmp) * tile_n + col, None)
+                    kept[key] = kept.get(key, 0) + 1
+            want = set()
+            for row in range(tile_m):
+                if not index_mode:
+                    want |= {(row, "w", j, None) for j in range(sk) if kv_span.visible(token, j, sq, sk, 127, 0)}
+                want |= {(row, "c", int(idx[token, p]), p) for p in range(k)
+                         if 0 <= int(idx[token, p]) < count}
+            twice = [x for x, c in kept.items() if c != 1]
+            if n_cmp != max(-(-k // tile_n), 1) or set(kept) != want or twice or (index_mode and n_tiles != n_cmp):
+                bad.append(f"{name} sq{sq} sk{sk} r{ratio} k{k} m{m}: n_cmp {n_cmp} extra "
+                           f"{sorted(set(kept) - want, key=str)[:3]} missing {sorted(want - set(kept), key=str)[:3]}")
+            # the producer's rows: list entry where visible, else row 0 (finite, masked)
+            for n in range(n_cmp):
+                for r in range(tile_n):
+                    p = n * tile_n + r
+                    j = int(idx[token, p]) if p < k else -1
+                    want_row = j if 0 <= j < count else 0
+                    if int(rows_out[n, r]) != want_row:
+                        bad.append(f"{name} m{m} tile {n} row {r}: gathers {int(rows_out[n, r])}, want {want_row}")
+                        break
+    return bad
+
+
+@pytest.mark.parametrize("name", list(TOPK_KERNELS))
+def test_topk_kept_pairs_and_gathered_rows(name):
+    assert topk_failures(name) == []
+
+
+def test_topk_checker_rejects_a_list_mask_without_the_count():
+    assert topk_failures("split-g128", "no_count") != []
+
+
+def test_topk_needs_whole_tiles_of_one_token():
+    from dsv4_attention.common import jit
+    from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
+
+    with pytest.raises(ValueError, match="multiple"):
+        FlashAttentionESm90(jit.cutlass_dtype(torch.bfloat16), 512, kv_shared=True, has_compressed=True,
+                            has_topk=True, pack_group=32)
+
+
+@pytest.mark.parametrize("name", list(TOPK_KERNELS))
+def test_index_mode_keeps_exactly_the_listed_rows(name):
+    """FlashMLA's semantics: no window tile, every listed row in range a key, -1 none; an empty list
+    (k = 0 after topk_length) visits one wholly masked tile."""
+    assert topk_failures(name, problems=((40, 40, 4, 30, 200), (7, 300, 4, 80, 1), (5, 9, 4, 9, 70)),
+                         index_mode=True) == []
+
+
+def test_index_mode_checker_rejects_the_visibility_rule():
+    """Negative control: the top-k kernel (window tiles, entries not yet visible hidden) judged by
+    index mode's formula fails, and the index-mode kernel judged by top-k's."""
+    problems = ((40, 40, 4, 30, 200),)
+    assert topk_failures("split-g128", problems=problems, index_mode=False, expect_index=True) != []
+    assert topk_failures("split-g128", problems=problems, index_mode=True, expect_index=False) != []

@@ -141,6 +141,13 @@ def test_fake_fused_shapes_and_schema():
         ops._stage_kwargs(stages.get("d5"), None, False, None, None, None, None, compressed_kv=c, compress_ratio=4)
 
 
+def test_fake_index_mode_shapes_and_schema():
+    q, kv, idx = meta(10, 128, 512), meta(30, 1, 512), torch.empty(10, 1, 16, dtype=torch.int32, device="meta")
+    o, lse = ops.OPS["e_index"](q, kv, idx)
+    assert o.shape == q.shape and lse.shape == (10, 128) and lse.dtype == torch.float32
+    torch.library.opcheck(ops.OPS["e_index"], (q, kv, idx), test_utils=("test_schema", "test_faketensor"))
+
+
 def fused_branch(q, kv, c, sink):
     o, lse = torch.ops.dsv4_attention.e_fused(q, kv, kv, causal=True, window_left=127, learnable_sink=sink,
                                               compressed_kv=c, compress_ratio=4)

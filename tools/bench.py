@@ -281,8 +281,36 @@ def bench_stage_e(dev) -> list:
     computes this function on Hopper (FlashMLA's sparse kernel takes index lists: the index mode,
     not built yet), so there is no outside peer for this row."""
     rows = [fused_row(dev, s) for s in (8192, 32768)]
+    rows += [topk_row(dev, s, k) for s in (8192, 32768) for k in (512, 1024)]
     torch.cuda.empty_cache()
     return rows
+
+
+def topk_row(dev, s: int, k: int, ratio: int = 4) -> dict:
+    """DeepSeek-V4's CSA layer: window (127, 0) + k listed entries per token (ratio 4, entries the
+    token sees, distinct), gathered in the kernel; FLOPs count every listed position."""
+    from dsv4_attention.stages import d5_sink_merge, e_fused
+
+    n_c = s // ratio
+    q = random_bshd(1, s, 128, 512, torch.bfloat16, dev)
+    kv = random_bshd(1, s, 1, 512, torch.bfloat16, dev)
+    ckv = random_bshd(1, n_c, 1, 512, torch.bfloat16, dev)
+    t = torch.arange(s, device=dev)[:, None]
+    count = ((t + 1) // ratio).clamp(min=1)
+    idx = (torch.rand(s, k, device=dev) * count).long()  # visible entries (duplicates possible, harmless here)
+    idx = torch.where(torch.arange(k, device=dev)[None] < count, idx, -1).int()[None]
+    sink = torch.randn(128, device=dev)
+    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": sink}
+    ms = bench.time_ms([lambda: e_fused.forward(q, kv, compressed_kv=ckv, compress_ratio=ratio, topk_indices=idx,
+                                                **kw)])
+    ms_w = bench.time_ms([lambda: d5_sink_merge.forward(q, kv, kv, **kw)])
+    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), ratio, n_c, topk=k)
+    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + top-{k} of {n_c} entries (ratio {ratio}) sq{s} "
+           f"hd512 k_eq_v sink bf16", "head_dim": 512, "seqlen": s, "kind": "fused window + top-k (CSA)",
+           "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {},
+           "peer_ms": {"d5_window_only": round(ms_w, 4)}, "time_ratio_vs": {"d5_window_only": round(ms / ms_w, 3)}}
+    print(f"stage e {row['case']}: {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)", flush=True)
+    return row
 
 
 def fused_row(dev, s: int, ratio: int = 128) -> dict:

@@ -282,6 +282,7 @@ class FlashAttentionD1Sm100:
         mSink: cute.Tensor | None = None,
         mCompressed: cute.Tensor | None = None,
         compress_ratio: cutlass.Int32 = None,
+        mTopk: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -329,9 +330,7 @@ class FlashAttentionD1Sm100:
         # stages, so the same box as K's (K's atom and view stand in where unused, compiled out)
         tma_atom_c, tma_c = tma_atom_k, tma_k
         if const_expr(self.has_compressed):
-            tma_atom_c, tma_c = cute.nvgpu.make_tiled_tma_atom_B(
-                op, seq_major(mCompressed), k_block, (QK_TILE_M, plan.tile_n, plan.d_block), qk_mma
-            )
+            tma_atom_c, tma_c = self.compressed_tma_atom(op, mCompressed, k_ring, qk_mma, mTopk)
 
         fields = {
             "q_mbar": cute.struct.MemRange[Int64, 2],
@@ -360,11 +359,20 @@ class FlashAttentionD1Sm100:
         self.kernel(
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink, tma_atom_c, tma_c, compress_ratio,
+            mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink, tma_atom_c, tma_c, compress_ratio, mTopk,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
+
+    def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
+        """Stage E: (atom, TMA view) of the compressed entries, K's box into the same ring stages
+        (top-k overrides it with a gather; ``mTopk`` [batch, seqlen_q, k] or None)."""
+        plan = self.plan
+        return cute.nvgpu.make_tiled_tma_atom_B(
+            op, seq_major(mCompressed), cute.select(k_ring, mode=[0, 1, 2]), (QK_TILE_M, plan.tile_n, plan.d_block),
+            qk_mma,
+        )
 
     def row_scale(self, inv_row_sum, lse, mSink, q_row, h):
         """The seam of the epilogue's per-row scale: this thread's row's 1 / rowsum, which
@@ -411,10 +419,10 @@ class FlashAttentionD1Sm100:
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0,
-                n_compressed=0) -> KvSpan:
+                n_compressed=0, mTopk=None) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py; stage
         E adds compressed tiles in front, common/compressed.py: ``n_compressed`` entries, ratio
-        ``compress_ratio``, both ignored here)."""
+        ``compress_ratio``, top-k: ``mTopk`` the request's (seqlen_q, k) lists or None; all ignored here)."""
         return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
                       window_right, self.has_left, self.has_right)
 
@@ -494,6 +502,7 @@ class FlashAttentionD1Sm100:
         tma_atom_c: cute.CopyAtom,  # E: the compressed entries' atom (K's where unused)
         mC: cute.Tensor,  # E: TMA view (entries, head_dim, kv_heads, batch); K's where unused
         compress_ratio: Int32 | None,  # E: entry j is visible to position t' iff j < (t' + 1) // ratio
+        mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of entries, -1 padded
     ):
         bx, h, request = cute.arch.block_idx()
         m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
@@ -502,7 +511,7 @@ class FlashAttentionD1Sm100:
             request, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
         args = (qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
                 scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-                n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio)
+                n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk)
         if const_expr(self.varlen):
             # the grid spans the longest request: a tile past its request's rows loads and stores
             # nothing (uniform per CTA: no thread reaches a barrier)
@@ -515,7 +524,7 @@ class FlashAttentionD1Sm100:
     def tile(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
         scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-        n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio,
+        n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk,
     ):  # fmt: skip
         """One CTA's work: Q tile m_blk (O half ``half``) of head h (KV head hk) of request b, on the
         request's views (``request_views``: n_rows packed rows, seqlen_k keys)."""
@@ -524,7 +533,10 @@ class FlashAttentionD1Sm100:
         tidx, _, _ = cute.arch.thread_idx()
         # the Q tile's keys: KV tile n holds keys span.origin + n * tile_n ..; both O halves of a
         # Q tile (o_split) compute the same span from the same m_blk
-        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0])
+        mTopk_b = None  # top-k (stage E): request b's (seqlen_q, k) lists
+        if const_expr(mTopk is not None):
+            mTopk_b = mTopk[b, None, None]
+        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0], mTopk_b)
         n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:

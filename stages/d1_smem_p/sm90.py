@@ -213,6 +213,7 @@ class FlashAttentionD1Sm90:
         mSink: cute.Tensor | None = None,
         mCompressed: cute.Tensor | None = None,
         compress_ratio: cutlass.Int32 = None,
+        mTopk: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -238,8 +239,9 @@ class FlashAttentionD1Sm90:
         tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
         # the fused stage's compressed entries: a second K = V source, the same chunked boxes (a
         # placeholder copy of K's atom where unused, compiled out)
-        tma_atom_c, tma_c = tma_atom_k, tma_k
+        tma_atom_c, tma_c, mC_mem = tma_atom_k, tma_k, mO
         if cutlass.const_expr(self.has_compressed):
+            mC_mem = seq_major(mCompressed)  # its memory: top-k rows are gathered by address
             tma_atom_c, tma_c = make_tma_tile_atom(load, seq_major(mCompressed), chunk_layout, self.tile_n,
                                                    CHUNK_COLS)
         # K = V: KvChunkRing's full (slot x chunk) and empty (slot) barriers; else the K and
@@ -278,6 +280,7 @@ class FlashAttentionD1Sm90:
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
+            mTopk, mC_mem,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -292,12 +295,15 @@ class FlashAttentionD1Sm90:
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
     varlen = False  # D3: requests packed along the tokens (cu_seqlens)
     has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
+    producer_warps = 1  # warps of the producer warpgroup that load (E top-k: 4, gathering rows)
+    full_arrivals = 1  # arrivals that complete a chunk's full barrier (E top-k: every producer thread)
 
     def kv_length(self, mSeqUsedK, batch, seqlen_k):
         """The keys of request ``batch`` (D3: seqused_k[batch])."""
         return seqlen_k
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed) -> KvSpan:
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
+                mTopk) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py;
         the fused stage adds compressed tiles in front, common/compressed.py)."""
         return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
@@ -358,6 +364,8 @@ class FlashAttentionD1Sm90:
         tma_atom_c: cute.CopyAtom,
         mC: cute.Tensor,  # compressed entries (seqlen_c, head_dim, kv_heads, batch); K's view where unused
         compress_ratio: cutlass.Int32 | None,
+        mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of compressed entries
+        mC_mem: cute.Tensor,  # the compressed entries' memory (seqlen_c, d, kv_heads, batch); O's where unused
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -389,7 +397,7 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(self.kv_shared):
                 chunks = self.head_dim // CHUNK_COLS
                 pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
-                                         tile_bytes // chunks, self.consumer_threads // 32)
+                                         tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals)
                 pipeline_v = None
                 self.init_ring(pipeline_k, warp_idx)
             else:
@@ -414,7 +422,11 @@ class FlashAttentionD1Sm90:
             row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
 
             d = self.head_dim
-            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0])
+            topk_b = None
+            if cutlass.const_expr(mTopk is not None):
+                topk_b = mTopk[b, None, None]
+            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0],
+                                topk_b)
             origin, n_blocks = span.origin, span.n_tiles
             # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
             mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, b])
@@ -427,11 +439,12 @@ class FlashAttentionD1Sm90:
 
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
+                if warp_idx < self.producer_warps:
                     self.load(
                         q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
                         tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK_hb,
-                        tma_atom_c, mC[None, None, head_kv, b], span,
+                        tma_atom_c, mC[None, None, head_kv, b], span, storage.sK.data_ptr(), warp_idx,
+                        mC_mem[None, None, head_kv, b],
                     )
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -472,6 +485,9 @@ class FlashAttentionD1Sm90:
         tma_atom_c: cute.CopyAtom,
         mC_hb: cute.Tensor,  # the compressed entries' (seqlen_c, d) (fused stage)
         span: KvSpan,
+        ring_base: cute.Pointer,  # the ring's first byte (E top-k: rows gathered by address)
+        warp_idx: cutlass.Int32,
+        mC_mem_hb: cute.Tensor,  # the compressed entries' (seqlen_c, d) memory (E top-k)
     ):
         """K[L], Q, then the tiles in the order the consumers need them: K = V, KV[n] for
         n = L-1 .. 0 (one load serves both GEMMs); otherwise (K[n - 1], V[n]) pairs as
@@ -485,10 +501,12 @@ class FlashAttentionD1Sm90:
             tCgC = None
             if cutlass.const_expr(self.has_compressed):
                 _, tCgC = chunk_views(tma_atom_c, mC_hb, sK, self.tile_n)
-            self.load_kv(ring, 0, n_last, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC)
-            load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
+            gather = (ring_base, mC_mem_hb, warp_idx)
+            self.load_kv(ring, 0, n_last, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
+            if warp_idx == 0:
+                load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
             for i in cutlass.range(n_last, unroll=1):
-                self.load_kv(ring, i + 1, n_last - 1 - i, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC)
+                self.load_kv(ring, i + 1, n_last - 1 - i, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
         else:  # stage C's order (common/sm90_producer.py)
             tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
             tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
@@ -496,9 +514,10 @@ class FlashAttentionD1Sm90:
                        tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
 
     @cute.jit
-    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC):
+    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather):
         """K = V: ring use t <- KV tile n of the span. The seam of the fused stage, whose tiles
-        n < n_cmp come from the compressed entries (``tCgC``); here every tile is K's."""
+        n < n_cmp come from the compressed entries (``tCgC``, or rows gathered by ``gather``:
+        (ring_base, the compressed (entries, d) view, warp)); here every tile is K's."""
         ring.load(t, tma_atom_k, tKgK, tKsK, n)
 
     # -------------------------------------------------------------------------------

@@ -12,11 +12,16 @@ alignment) and head h, one softmax over the union of
 then O *= sigmoid(LSE - sink[h]) (D5). Both key sets are K = V rows of the same head_dim: the
 kernel streams their tiles through one SMEM ring into one online softmax (common/compressed.py),
 so the result is the exact softmax over the union, not a merge of two rounded halves. Without
-``compressed_kv`` this is stage D5. Not yet here: top-k compressed entries (CSA: ``topk_indices``),
-FlashMLA's index mode, ``positions``, and compressed entries with ``cu_seqlens`` (ValueError).
+``compressed_kv`` this is stage D5. With ``topk_indices`` (DeepSeek-V4's CSA layers) only the
+entries each token lists take part, gathered by the kernel (sm90: cp.async by the producer
+warpgroup; sm100: TMA gather). ``index_attention``: FlashMLA's sparse attention (index lists as a
+token's only keys) on the same kernel. Not yet here: ``positions``, and compressed entries with
+``cu_seqlens`` (ValueError).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -39,7 +44,7 @@ KERNELS = {
 DEMO_OPTIONS = {"kv_shared": True, "pack_group": 64, "has_left": True, "has_right": True, "has_sink": True,
                 "has_compressed": True}
 
-__all__ = ["forward", "flops"]
+__all__ = ["forward", "index_attention", "flops"]
 
 
 make_kernel = jit.kernel_maker(KERNELS)
@@ -48,7 +53,8 @@ example_args = interface.attention_example_args
 
 
 def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress_ratio: int | None = None,
-            softmax_scale: float | None = None, learnable_sink: torch.Tensor | None = None, causal: bool = False,
+            topk_indices: torch.Tensor | None = None, softmax_scale: float | None = None,
+            learnable_sink: torch.Tensor | None = None, causal: bool = False,
             window_size=(None, None), seqused_k: torch.Tensor | None = None,
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
@@ -57,8 +63,10 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
 
     ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
     [batch, entries, kv_heads, head_dim] (K = V rows, k's dtype) with ``compress_ratio`` (int >= 1):
-    entry j is visible to query i iff j < floor((i + seqlen_k - seqlen_q + 1) / ratio). Returns
-    (o, lse), lse over both key sets, without the sink."""
+    entry j is visible to query i iff j < floor((i + seqlen_k - seqlen_q + 1) / ratio): all of them,
+    or only those ``topk_indices`` [batch, seqlen_q, k] int32 lists per token (-1 padded; DeepSeek-V4's
+    CSA layers; the query heads of a KV head must fill whole Q tiles: 64 or 128 heads at head dim 512
+    on sm90). Returns (o, lse), lse over both key sets, without the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -67,7 +75,52 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
                                               seqused_k=seqused_k, window=window, cu_seqlens_q=cu_seqlens_q,
                                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                               max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
-                                              compressed_kv=compressed_kv, compress_ratio=compress_ratio)
+                                              compressed_kv=compressed_kv, compress_ratio=compress_ratio,
+                                              topk_indices=topk_indices)
+
+
+def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax_scale: float | None = None,
+                    out=None):
+    """Index mode: FlashMLA's ``flash_mla_sparse_fwd`` semantics on stage E's kernel. Query token t
+    attends to the rows ``indices[t, 0, :topk_length[t]]`` of ``kv`` (-1 = none), its only keys.
+
+    q [tokens, heads, d], kv [rows, 1, d] (K = V), indices [tokens, 1, k] int32, topk_length
+    [tokens] int32 (default k), attn_sink [heads] fp32 or None, ``out`` like q (optional). Returns
+    (o [tokens, heads, d], lse [tokens, heads] fp32, natural log, without the sink; a token with no
+    valid index has O = 0 and LSE = -inf, where FlashMLA returns +inf). The query heads must fill
+    whole Q tiles (64 or 128 at head dim 512 on sm90). Differences from FlashMLA: its d_qk = 576 /
+    d_v = 512 split is not served (K = V rows of one head_dim here), and an index is refused unless
+    -1 or in [0, rows)."""
+    for name, t, dim in (("q", q, 3), ("kv", kv, 3), ("indices", indices, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim:
+            raise ValueError(f"{name} must be a rank-{dim} torch.Tensor; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if kv.shape[1] != 1 or indices.shape[1] != 1:
+        raise ValueError(f"kv must be [rows, 1, d] and indices [tokens, 1, k]; got {tuple(kv.shape)}, "
+                         f"{tuple(indices.shape)}")
+    if indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must have q's {q.shape[0]} tokens; got {tuple(indices.shape)}")
+    idx = indices[:, 0]
+    if topk_length is not None:
+        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype != torch.int32 or \
+                tuple(topk_length.shape) != (q.shape[0],) or topk_length.device != q.device:
+            raise ValueError(f"topk_length must be a [tokens] = ({q.shape[0]},) int32 tensor on {q.device}")
+        k = idx.shape[1]
+        if q.shape[0] and not (topk_length.is_cuda and torch.cuda.is_current_stream_capturing()):
+            lo, hi = int(topk_length.min()), int(topk_length.max())
+            if lo < 0 or hi > k:
+                raise ValueError(f"topk_length values must lie in [0, k = {k}]; got min {lo}, max {hi}")
+        idx = torch.where(torch.arange(k, device=idx.device)[None] < topk_length[:, None], idx, -1)
+    idx = idx.contiguous()[None]
+    if idx.shape[2] == 0 or kv.shape[0] == 0:  # no key for any token: decided without a launch
+        o = torch.zeros_like(q) if out is None else out.zero_()
+        return o, torch.full((q.shape[0], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
+    kv4 = kv[None]
+    o, lse = interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q[None], kv4, kv4, softmax_scale,
+                                                None if out is None else out[None], None,
+                                                tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=kv4,
+                                                compress_ratio=1, topk_indices=idx, index_mode=True)
+    return o[0], lse[0].transpose(0, 1)
 
 
 def compressed_pairs(seqlen_q: int, seqlen_k: int, ratio: int, entries: int) -> int:
@@ -76,9 +129,13 @@ def compressed_pairs(seqlen_q: int, seqlen_k: int, ratio: int, entries: int) -> 
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None),
-          compress_ratio: int | None = None, entries: int = 0) -> int:
+          compress_ratio: int | None = None, entries: int = 0, topk: int | None = None) -> int:
+    """4 d per visible (query, key) pair; with ``topk``, k listed entries per token counted as
+    computed (the kernel's work: every listed position takes part in the GEMMs)."""
     pairs = visible_pairs(seqlen_q, seqlen_k, causal, window_size)
-    if compress_ratio is not None:
+    if topk is not None:
+        pairs += seqlen_q * topk
+    elif compress_ratio is not None:
         pairs += compressed_pairs(seqlen_q, seqlen_k, compress_ratio, entries)
     return 4 * batch * heads * pairs * head_dim
 

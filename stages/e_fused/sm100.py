@@ -27,27 +27,67 @@ Host proof: tests/test_e_sm100_host.py.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
 
-from dsv4_attention.common.compressed import FusedSpan
-from dsv4_attention.common.sm100_softmax import visible_columns, visible_entries
+from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options
+from dsv4_attention.common.layouts import seq_major
+from dsv4_attention.common.sm100_kv import GATHER4_ROWS, block_rows_layout, gather_view, topk_rows
+from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
+from dsv4_attention.common.sm100_softmax import (
+    column_range_words,
+    mask_topk_row,
+    topk_tile_words,
+    visible_columns,
+    visible_entries,
+)
 from dsv4_attention.common.tmem import QK_TILE_M
 from dsv4_attention.stages.d5_sink_merge.sm100 import FlashAttentionD5Sm100
 
 
 class FlashAttentionESm100(FlashAttentionD5Sm100):
-    def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, **options):
-        super().__init__(dtype, head_dim, **options)
-        self.has_compressed = bool(has_compressed)
-        if self.has_compressed and not self.kv_shared:
-            raise ValueError("compressed entries are K = V rows: the window's K and V must be one tensor (kv)")
-        if self.has_compressed and self.varlen:
-            raise ValueError("compressed entries with cu_seqlens are not supported yet: pass batched tensors")
+    #: host proofs only: the top-k mask's ballots assembled by a loop over the lanes (no warp on the CPU)
+    topk_words_on_host = False
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0, n_compressed=0):
+    def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
+                 index_mode: bool = False, **options):
+        super().__init__(dtype, head_dim, **options)
+        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode)
+
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0, n_compressed=0,
+                mTopk=None):
         if cutlass.const_expr(not self.has_compressed):
-            return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed)
+            return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
+                                   mTopk)
+        token = m_block * QK_TILE_M // self.pack_group  # top-k: the tile's one token
+        if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
+            return IndexSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, n_compressed,
+                             mTopk[token, None], mTopk.shape[1])
+        if cutlass.const_expr(self.has_topk):
+            return TopkSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
+                            window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
+                            mTopk[token, None], mTopk.shape[1])
         return FusedSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
                          window_right, self.has_left, self.has_right, compress_ratio, n_compressed)
+
+    def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
+        if not self.has_topk:
+            return super().compressed_tma_atom(op, mCompressed, k_ring, qk_mma, mTopk)
+        # top-k: a gather4 atom (4 rows a TMA instruction) over the entries as 2D rows, K's box and ring
+        plan = self.plan
+        rows_2d, index_shape = gather_view(seq_major(mCompressed), plan.tile_n)
+        gI = cute.make_tensor(mTopk.iterator, cute.make_layout(index_shape, stride=(1, 0)))
+        smem = cute.make_composed_layout(k_ring.inner, 0, block_rows_layout(cute.select(k_ring.outer, mode=[0, 1, 2])))
+        atom, view = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensor2DGather4G2SOp(), rows_2d, smem,
+                                                 (plan.tile_n, plan.d_block), gmem_coord_tensor=gI)
+        return atom, view
+
+    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b):
+        if not self.has_topk:
+            return super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b)
+        # top-k: the gather view's (tile_n, d_block) boxes along the columns (kv head hk's blocks), and the
+        # first 2D row of request b (rows are (batch, entry) pairs: b * entries + entry)
+        plan = self.plan
+        return cute.local_tile(mC, (plan.tile_n, plan.d_block), (0, None)), hk * plan.blocks, b * mC.shape[0]
 
     def masks_inner_tiles(self) -> bool:
         # every compressed tile may cut a row (count grows along the tile's tokens)
@@ -55,7 +95,12 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
 
     @cute.jit
     def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
-        if cutlass.const_expr(self.has_compressed):
+        if cutlass.const_expr(self.has_topk):
+            if tile < span.n_cmp:
+                self.gather_k_block(span, tile, kb, tma_atom_c, tCgC, dst, barrier)
+            else:
+                cute.copy(tma_atom_k, tKgK[None, span.window_tile(tile), kb], dst, tma_bar_ptr=barrier)
+        elif cutlass.const_expr(self.has_compressed):
             if tile < span.n_cmp:
                 cute.copy(tma_atom_c, tCgC[None, tile, kb], dst, tma_bar_ptr=barrier)
             else:
@@ -63,10 +108,95 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         else:
             cute.copy(tma_atom_k, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
 
+    def k_block_outer(self):
+        """The ring's K-block SMEM layout (``make_smem_layouts``' k_ring outer; static)."""
+        plan = self.plan
+        qk, pv = make_qk_mma(self.dtype, plan), make_pv_mma(self.dtype, plan)
+        return make_smem_layouts(self.dtype, plan, qk, pv)[1].outer
+
+    def gather_rows(self, span, tile, row0, first=0, n=None):
+        """Top-k: the 2D rows of compressed tile ``tile``'s box rows first .. first + n - 1 (all T by
+        default; ``common.sm100_kv.topk_rows``)."""
+        return topk_rows(span, tile, row0, first, n)
+
+    @cute.jit
+    def gather_k_block(self, span, tile, kb, tma_atom_c, tCgC, dst, barrier):
+        """Top-k: K block kb of compressed tile ``tile`` (list positions tile T .. tile T + T - 1 of the
+        tile's token) -> ring stage ``dst``: T / 4 gather4 TMA instructions, row r of the box from 2D
+        row b * entries + idx[tile T + r] (``topk_rows``: an invalid position reads entry 0, finite and
+        masked), columns kb B .. of kv head hk; the whole box, so the stage's byte count is K's.
+        One 4-row group at a time (a runtime loop): its 4 rows are computed into 4 registers right
+        before the group's instructions (one per 64 columns), never all T at once (T = 128 rows held
+        in registers across the whole box spilled)."""
+        views = self.gather_views(span, kb, tma_atom_c, tCgC, dst)
+        for g in cutlass.range(span.tile_n // GATHER4_ROWS, unroll=1):
+            self.gather_group(span, tile, g, tCgC[2], views, tma_atom_c, barrier)
+
+    def gather_views(self, span, kb, tma_atom_c, tCgC, dst):
+        """Top-k: K block kb's gather as (coordinates, index registers, SMEM), each ((64 columns, 4 rows),
+        (T / 4 groups, B / 64 parts)): one gather4 instruction's values, then the instructions; the index
+        side reads the same 4 registers (the last tensor) for every group."""
+        gC, col_block0, _ = tCgC
+        rows = cute.make_rmem_tensor((GATHER4_ROWS,), Int32)  # the current group's 4 rows
+        gI = cute.make_tensor(rows.iterator, cute.make_layout(((GATHER4_ROWS, span.tile_n // GATHER4_ROWS),
+                                                                 gC.shape[1]), stride=((1, 0), 0)))
+        gIt = cute.local_tile(gI, (span.tile_n, self.plan.d_block), (0, None))
+        sC = cute.make_tensor(dst.iterator, block_rows_layout(cute.select(self.k_block_outer(), mode=[0, 1, 2])))
+        tCsC, tCgC_, tCgI = cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+            [cute.group_modes(gC, 0, 2), cute.group_modes(gIt, 0, 2)],
+        )  # fmt: skip
+        src = tCgC_[None, col_block0 + kb]
+        # the partition orders the instructions colexicographically (a part count of 1 folded away there)
+        inst = src.shape[0][0]
+        groups = span.tile_n // GATHER4_ROWS
+        modes = cute.make_layout((inst, (groups, cute.size(src) // (cute.size(inst) * groups))))
+        return (cute.make_tensor(src.iterator, cute.composition(src.layout, modes)),
+                cute.make_tensor(tCgI.iterator, cute.composition(tCgI[None, 0].layout, modes)),
+                cute.make_tensor(tCsC.iterator, cute.composition(tCsC.layout, modes)), rows)
+
+    @cute.jit
+    def gather_group(self, span, tile, g, row0, views, tma_atom_c, barrier):
+        """Top-k: box rows 4 g .. 4 g + 3 of the K block ``views`` (``gather_views``) describe: their 4
+        2D rows (``gather_rows``) into the index registers, then the group's gather4 instructions."""
+        src, idx, smem, rows = views
+        group_rows = self.gather_rows(span, tile, row0, g * GATHER4_ROWS, GATHER4_ROWS)
+        rows.store(group_rows.load())
+        group = ((None, None), (g, None))
+        cute.copy(tma_atom_c, [src[group], idx[group]], smem[group], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def mask_s_row(self, s_row, tTR_cS, span, keys, it):
+        if cutlass.const_expr(self.has_topk):
+            # one mask pass for both kinds of tile (a compressed tile's and D4's window mask in two branches,
+            # 128 scores each, spilled at T = 128): the tile's visible columns as bit words, a compressed
+            # tile's from the list (one token per tile: every row reads the same list and count), a window
+            # tile's from D4's bounds (one token per tile: the same for every row); applied where a bit is clear
+            n = span.n_tiles - 1 - it
+            _, count = keys
+            lane = 0 if cutlass.const_expr(self.topk_words_on_host) else cute.arch.lane_idx()
+            listed = topk_tile_words(span.idx_row, n * span.tile_n, count, span.k, span.tile_n, lane,
+                                     self.topk_words_on_host)
+            lo, hi = self.tile_columns(span, keys, n)
+            window = column_range_words(lo, hi, span.tile_n)
+            compressed = n < span.n_cmp
+            words = []
+            for w in cutlass.range_constexpr(span.tile_n // 32):
+                words.append(listed[w] if compressed else window[w])
+            cuts = hi < span.tile_n
+            if cutlass.const_expr(lo is not None):
+                cuts = cuts | (lo > 0)
+            if compressed | cuts:
+                mask_topk_row(s_row, tTR_cS, words)
+        else:
+            FlashAttentionD5Sm100.mask_s_row(self, s_row, tTR_cS, span, keys, it)
+
     def row_keys(self, span, m_blk, tTR_cS):
         keys = super().row_keys(span, m_blk, tTR_cS)
         if not self.has_compressed:
             return keys
+        if self.index_mode:  # every listed row of the tensor is a key (IndexSpan: count = entries)
+            return keys, span.count
         # the row's entry count beside its window bounds: one integer per thread, once per CTA
         return keys, visible_entries(span, m_blk * QK_TILE_M + tTR_cS[0][0])
 

@@ -16,27 +16,54 @@ visited last-first as before: the window's tiles (its first visit holds the diag
 compressed ones from the last (the only one a row can see partly) down to 0. Seams used, all in
 stage D1's skeleton: ``kv_span`` (the fused span), ``load_kv`` (the producer's source per tile:
 one runtime branch between two TMA descriptors of the same box), ``masks_inner_tiles``.
+
+Top-k (``has_topk``, DeepSeek-V4's CSA layers): compressed tile n is list positions [64 n, 64 n + 64)
+of the Q tile's one token (``TopkSpan``; pack_group a multiple of tile_m), its rows gathered by the
+whole producer warpgroup with cp.async (``gather_tile``) into the same ring slots, the chunk
+barriers counting 128 arrivals (``producer_warps``, ``full_arrivals``). Index mode
+(``index_mode``, FlashMLA's sparse attention): the lists are a token's only keys, rows of one
+tensor (``IndexSpan``: no window tiles, every tile gathered).
 """
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 
-from dsv4_attention.common.compressed import FusedSpan
+from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options
+from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
+from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
+
+GATHER_BYTES = 16  # one cp.async: 8 bf16 columns of a row
+UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte row
 
 
 class FlashAttentionESm90(FlashAttentionD5Sm90):
-    def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, **options):
+    def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
+                 index_mode: bool = False, **options):
         super().__init__(dtype, head_dim, **options)
-        self.has_compressed = bool(has_compressed)
-        if self.has_compressed and not self.kv_shared:
-            raise ValueError("compressed entries are K = V rows: the window's K and V must be one tensor (kv)")
-        if self.has_compressed and self.varlen:
-            raise ValueError("compressed entries with cu_seqlens are not supported yet: pass batched tensors")
+        set_options(self, self.tile_m, has_compressed, has_topk, index_mode)
+        if self.has_topk:
+            # every producer thread gathers rows; each chunk's full barrier counts all of them
+            self.producer_warps = THREADS_PER_WARPGROUP // 32
+            self.full_arrivals = THREADS_PER_WARPGROUP
+            # the gather's addresses need more than the TMA producer's 24-32 registers (ptxas spilled
+            # at 128-key tiles); 8 fewer per consumer thread pay for it (setmaxnreg: 64K per CTA)
+            self.consumer_regs -= 8
+            self.producer_regs += 8 * self.num_wg
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed):
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk):
         if cutlass.const_expr(not self.has_compressed):
-            return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed)
+            return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
+                                   mTopk)
+        token = m_block * self.tile_m // self.pack_group
+        if cutlass.const_expr(self.index_mode):  # the list is every key
+            return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, n_compressed,
+                             mTopk[token, None], mTopk.shape[1])
+        if cutlass.const_expr(self.has_topk):  # the Q tile's one token's list
+            return TopkSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
+                            window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
+                            mTopk[token, None], mTopk.shape[1])
         return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
                          window_right, self.has_left, self.has_right, compress_ratio, n_compressed)
 
@@ -44,11 +71,68 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         return super().masks_inner_tiles() or self.has_compressed
 
     @cute.jit
-    def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC):
-        if cutlass.const_expr(self.has_compressed):
+    def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather):
+        if cutlass.const_expr(self.has_topk):  # all four producer warps run this
+            ring_base, mC_hb, warp_idx = gather
+            if n < span.n_cmp:
+                self.gather_tile(ring, t, n, span, ring_base, mC_hb)
+            elif warp_idx == 0:
+                ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp)
+        elif cutlass.const_expr(self.has_compressed):
             if n < span.n_cmp:
                 ring.load(t, tma_atom_c, tCgC, tKsK, n)
             else:
                 ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp)
         else:
             ring.load(t, tma_atom_k, tKgK, tKsK, n)
+
+    @staticmethod
+    def gather_row(tidx, p: int):
+        """The tile row producer thread ``tidx`` gathers in pass p (16 rows a pass, 8 threads a row)."""
+        return tidx // UNITS + p * (THREADS_PER_WARPGROUP // UNITS)
+
+    @cute.jit
+    def gather_source_row(self, span, n, r):
+        """The compressed row that tile row r of compressed tile n holds: the entry at list position
+        n T + r where it is a visible entry, else row 0 (masked; any finite row would do)."""
+        pos = n * self.tile_n + r
+        j = cutlass.Int32(-1)
+        if pos < span.k:
+            j = span.idx_row[pos]
+        return j if (j >= 0) & (j < span.count) else cutlass.Int32(0)
+
+    @cute.jit
+    def gather_tile(self, ring, t, n, span, ring_base: cute.Pointer, mC_hb: cute.Tensor):
+        """Top-k: ring use t <- the compressed rows at list positions [n T, n T + T) of the Q
+        tile's token, by cp.async (Hopper's TMA has no gather). Producer thread i copies 16-byte
+        unit i % 8 of rows i / 8 + 16 p of every 64-column chunk, to ``gather_offset`` (the
+        swizzled slot layout, proven on the host), then arrives on the chunk's full barrier when its
+        copies have landed (cp.async.mbarrier.arrive.noinc: the barrier counts all 128 threads).
+        A position that is not a visible entry (-1, past the list, not yet visible) copies row 0:
+        its score is masked, and a finite V row times P = 0 adds exactly 0."""
+        s = t % self.slots
+        phase = (t // self.slots) & 1
+        tidx = cute.arch.thread_idx()[0]  # 0 .. 127: the producer warpgroup
+        unit = tidx % UNITS
+        passes = self.tile_n * UNITS // THREADS_PER_WARPGROUP
+        cute.arch.mbarrier_wait(ring.empty + s, phase ^ 1)
+        src_rows = cute.make_rmem_tensor(passes, cutlass.Int32)
+        for p in cutlass.range_constexpr(passes):
+            src_rows[p] = self.gather_source_row(span, n, self.gather_row(tidx, p))
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=GATHER_BYTES * 8)
+        elem = self.dtype.width // 8
+        g_base = mC_hb.iterator.toint()
+        s_base = ring_base.toint()
+        row_stride = mC_hb.stride[0]
+        for c in cutlass.range_constexpr(self.head_dim // CHUNK_COLS):
+            for p in cutlass.range_constexpr(passes):
+                r = self.gather_row(tidx, p)
+                g_off = (cutlass.Int64(src_rows[p]) * row_stride + c * CHUNK_COLS + unit * 8) * elem
+                s_off = gather_offset(r, unit, c, s, self.tile_n, self.head_dim) * elem
+                src = cute.make_tensor(cute.make_ptr(self.dtype, g_base + g_off, cute.AddressSpace.gmem,
+                                                     assumed_align=GATHER_BYTES), cute.make_layout(8))
+                dst = cute.make_tensor(cute.make_ptr(self.dtype, s_base + s_off, cute.AddressSpace.smem,
+                                                     assumed_align=GATHER_BYTES), cute.make_layout(8))
+                cute.copy(atom, src, dst)
+            cute.arch.cp_async_mbarrier_arrive_noinc(ring.full + (s * ring.chunks + c))
