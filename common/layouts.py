@@ -45,3 +45,12 @@ def check_attention_operands(dtype, mQ, mK, mV, mO, mLSE) -> None:
             raise TypeError(f"{name} must be {dtype}, got {t.element_type}")
     if cutlass.const_expr(mLSE.element_type != cutlass.Float32):
         raise TypeError(f"LSE must be Float32, got {mLSE.element_type}")
+
+
+def request_rows(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch, group: int):
+    """Variable-length batches (FlashAttention's cu_seqlens): request ``batch``'s first packed Q row
+    and first key in the packed tensors, and its packed row and key counts,
+    (q0 * g, k0, n_q * g, n_k), with g query heads folded into each token's rows (stage D2; 1
+    unpacked). Both architectures' ``request_views`` offset their views by these."""
+    q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+    return q0 * group, k0, (mCuSeqlensQ[batch + 1] - q0) * group, mCuSeqlensK[batch + 1] - k0

@@ -34,6 +34,7 @@ and LSE is written for the request's rows only; the host proof is tests/test_d3_
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.layouts import request_rows
 from dsv4_attention.stages.d2_pack_heads.sm100 import FlashAttentionD2Sm100
 
 
@@ -53,11 +54,8 @@ class FlashAttentionD3Sm100(FlashAttentionD2Sm100):
     def request_views(self, batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK):
         if cutlass.const_expr(not self.varlen):
             return super().request_views(batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
-        g = self.pack_group
-        q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
-        n_q, n_k = mCuSeqlensQ[batch + 1] - q0, mCuSeqlensK[batch + 1] - k0
         # a flat packed row into the (g, tokens) row mode: CuTe splits it as (head in group, token) = (0, q0)
-        row0 = q0 * g
+        row0, k0, n_rows, n_k = request_rows(mCuSeqlensQ, mCuSeqlensK, batch, self.pack_group)
         mQ, mO = cute.domain_offset((row0, 0, 0, 0), mQ), cute.domain_offset((row0, 0, 0, 0), mO)
         if cutlass.const_expr(mO_mem is not None):
             mO_mem = cute.domain_offset((row0, 0, 0, 0), mO_mem)
@@ -65,4 +63,4 @@ class FlashAttentionD3Sm100(FlashAttentionD2Sm100):
         mK = cute.domain_offset((k0, 0, 0, 0), mK)
         # V is (head_dim, seqlen_k, ..): its keys are mode 1; K = V: mV is K's view (never loaded)
         mV = mK if cutlass.const_expr(self.kv_shared) else cute.domain_offset((0, k0, 0, 0), mV)
-        return mQ, mK, mV, mO, mO_mem, mLSE, 0, n_q * g, n_k
+        return mQ, mK, mV, mO, mO_mem, mLSE, 0, n_rows, n_k

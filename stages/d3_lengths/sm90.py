@@ -26,6 +26,7 @@ end stores O row by row (common/sm90_epilogue.store_o_rows), never the next requ
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.layouts import request_rows
 from dsv4_attention.stages.d2_pack_heads.sm90 import FlashAttentionD2Sm90
 
 
@@ -43,11 +44,9 @@ class FlashAttentionD3Sm90(FlashAttentionD2Sm90):
     def request_views(self, batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK):
         if cutlass.const_expr(not self.varlen):
             return super().request_views(batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
-        g = self.pack_group
-        q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
-        n_q, n_k = mCuSeqlensQ[batch + 1] - q0, mCuSeqlensK[batch + 1] - k0
-        rows0 = (q0 * g, 0, 0, 0)  # a flat packed row: CuTe splits it as (head in group, token) = (0, q0)
+        row0, k0, n_rows, n_k = request_rows(mCuSeqlensQ, mCuSeqlensK, batch, self.pack_group)
+        rows0 = (row0, 0, 0, 0)  # a flat packed row: CuTe splits it as (head in group, token) = (0, q0)
         mQ, mO, mO_mem = (cute.domain_offset(rows0, t) for t in (mQ, mO, mO_mem))
         mK, mV = (cute.domain_offset((k0, 0, 0, 0), t) for t in (mK, mV))
-        mLSE = cute.domain_offset((0, 0, q0 * g), mLSE)
-        return mQ, mK, mV, mO, mO_mem, mLSE, 0, n_q * g, n_k
+        mLSE = cute.domain_offset((0, 0, row0), mLSE)
+        return mQ, mK, mV, mO, mO_mem, mLSE, 0, n_rows, n_k
