@@ -57,6 +57,12 @@ def test_wheel_claims_one_import_name(wheel):
                    "dsv4_attention/stages/__init__.py", "dsv4_attention/stages/d4_causal_window/sm90.py",
                    "dsv4_attention/stages/d4_causal_window/sm100.py"):
         assert module in names, module
+    # every stage package of the checkout ships (an editable install here would hide a missing one)
+    stages_dir = os.path.join(ROOT, "stages")
+    packages = [d for d in os.listdir(stages_dir) if os.path.isfile(os.path.join(stages_dir, d, "__init__.py"))]
+    for stage in sorted(packages):
+        for f in ("__init__.py", "sm90.py", "sm100.py"):
+            assert f"dsv4_attention/stages/{stage}/{f}" in names, (stage, f)
     assert not any(n.startswith(("tests/", "tools/")) or "/tests/" in n for n in names)
 
 

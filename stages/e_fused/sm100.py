@@ -89,6 +89,11 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         plan = self.plan
         return cute.local_tile(mC, (plan.tile_n, plan.d_block), (0, None)), hk * plan.blocks, b * mC.shape[0]
 
+    def may_hide_rows(self) -> bool:
+        # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
+        # empty-row path (O = 0, LSE = -inf) must be compiled in, as for an empty window
+        return super().may_hide_rows() or self.index_mode
+
     def masks_inner_tiles(self) -> bool:
         # every compressed tile may cut a row (count grows along the tile's tokens)
         return super().masks_inner_tiles() or self.has_compressed

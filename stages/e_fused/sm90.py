@@ -67,6 +67,11 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
                          window_right, self.has_left, self.has_right, compress_ratio, n_compressed)
 
+    def may_hide_rows(self) -> bool:
+        # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
+        # empty-row path (O = 0, LSE = -inf) must be compiled in, as for an empty window
+        return super().may_hide_rows() or self.index_mode
+
     def masks_inner_tiles(self) -> bool:
         return super().masks_inner_tiles() or self.has_compressed
 
