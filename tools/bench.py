@@ -275,15 +275,56 @@ def sink_row(dev, s: int) -> dict:
 
 
 def bench_stage_e(dev) -> list:
-    """DeepSeek-V4's HCA layer in one launch (stage E: window (127, 0) + the compressed entries of
-    ratio 128 + sink; 128 heads on one K = V head, hd 512) against its window branch alone (stage
-    D5, same run): what the compressed entries cost inside the one softmax. No public kernel
-    computes this function on Hopper (FlashMLA's sparse kernel takes index lists: the index mode,
-    not built yet), so there is no outside peer for this row."""
+    """DeepSeek-V4's HCA and CSA layers in one launch (stage E: window (127, 0) + the compressed
+    entries, all of them at ratio 128 or each token's top-k at ratio 4, + sink; 128 heads on one
+    K = V head, hd 512) against the window branch alone (stage D5, same run): what the compressed
+    entries cost inside the one softmax. No public Hopper kernel computes these (window +
+    compressed) functions; the index mode, FlashMLA's sparse prefill's function, runs against
+    FlashMLA itself (``index_row``)."""
     rows = [fused_row(dev, s) for s in (8192, 32768)]
     rows += [topk_row(dev, s, k) for s in (8192, 32768) for k in (512, 1024)]
-    torch.cuda.empty_cache()
+    for h, k in ((64, 512), (128, 1024)):
+        for s_kv in (8192, 32768):
+            rows.append(index_row(dev, h, k, s_kv))
+            torch.cuda.empty_cache()
     return rows
+
+
+def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
+    """Index mode against FlashMLA's sparse prefill (``flashmla_peer``, DeepSeek's kernel for this
+    attention) on the same tensors: q [s_q, heads, 512], kv [s_kv, 1, 512] (K = V, FlashMLA's d_qk =
+    512 build), k distinct random rows per token, a sink; FLOPs as FlashMLA counts them (4 s_q k
+    heads 512). The two outputs are compared (max |difference|) so the ratio is between two
+    kernels that compute the same thing."""
+    from dsv4_attention.stages import e_fused
+
+    torch.manual_seed(s_kv + heads)
+    q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16, device=dev)
+    kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16, device=dev)
+    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()
+    sink = torch.randn(heads, device=dev)
+    scale = 512 ** -0.5
+    o = torch.empty_like(q)
+    ms = bench.time_ms([lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale, out=o)])
+    flop = 4 * s_q * k * heads * 512
+    row = {"stage": "e", "case": f"index mode h{heads} top-{k} sq{s_q} s_kv{s_kv} hd512 k_eq_v sink bf16",
+           "head_dim": 512, "seqlen": s_kv, "kind": "index mode (FlashMLA sparse prefill's function)",
+           "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {},
+           "time_ratio_vs": {}}
+    try:
+        import flashmla_peer
+
+        call = lambda: flashmla_peer.sparse_prefill_fwd(q, kv, idx, scale, 512, sink, None)  # noqa: E731
+        o_peer = call()[0]
+        row["max_abs_diff_vs_flashmla"] = float((o_peer.float() - o.float()).abs().max())
+        t = bench.time_ms([call])
+        row["peers"]["flashmla"], row["peer_ms"]["flashmla"] = round(bench.tflops(flop, t), 1), round(t, 4)
+        row["time_ratio_vs"]["flashmla"] = round(ms / t, 3)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+        print(f"peer flashmla failed: {type(e).__name__}: {e}"[:300], flush=True)
+    print(f"stage e {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {row['peers']} "
+          f"max|diff| {row.get('max_abs_diff_vs_flashmla')}", flush=True)
+    return row
 
 
 def topk_row(dev, s: int, k: int, ratio: int = 4) -> dict:
