@@ -144,23 +144,48 @@ def topk_visible(i: int, p: int, idx: int, seqlen_q: int, seqlen_k: int, ratio: 
 
 
 @cute.jit
-def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, idx_row: cute.Tensor, first_pos, count, k):
+def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, tile_list: cute.Tensor, first_pos, count, k):
     """Scores of list positions a row may not see -> -inf, in place (SM90 fragment: value i holds
-    list position first_pos + tScS[i][1] of the tile's one token; ``idx_row`` that token's list,
-    ``count`` its visible entry count)."""
+    list position p = first_pos + tScS[i][1] of the tile's one token; ``tile_list[c]`` the entry at
+    position first_pos + c, read only where p < k; ``count`` the token's visible entry count)."""
     for i in cutlass.range_constexpr(cute.size(acc)):
         p = first_pos + tScS[i][1]
         j = cutlass.Int32(-1)
         if p < k:
-            j = idx_row[p]
+            j = tile_list[tScS[i][1]]
         acc[i] = -cutlass.Float32.inf if (j < 0) | (j >= count) else acc[i]
 
 
 class TopkSpan(FusedSpan):
     """``FusedSpan`` whose compressed tiles are positions of the Q tile's token's top-k list
-    (``idx_row``, k positions): n_cmp = ceil(k / T), every compressed tile masked by the list."""
+    (``idx_row``, k positions): n_cmp = ceil(k / T), every compressed tile masked by the list.
 
-    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row")
+    The masks read tile n's T list entries from ``tile_list(n)``: the list in global memory, or,
+    once ``stage_lists`` gave it SMEM (sm90), the copy the producer stages beside the gathered rows
+    in the ring slot of the tile's visit (column ``list_slot(n)`` of a (T, slots) int32 buffer,
+    position n T + c in row c, read from the list at ``list_source(n, c)``): the consumers then
+    read 4 bytes of SMEM per score column instead of waiting on global loads after each QK GEMM."""
+
+    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row", "lists")
+    lists = None  # (T, slots) int32 SMEM: each ring slot's tile of the list (sm90 top-k)
+    slots = 1
+
+    def stage_lists(self, lists: cute.Tensor, slots: int):
+        self.lists, self.slots = lists, slots
+
+    def list_slot(self, n):
+        """The ring slot of tile n's visit (the kernels visit tiles last-first: use t = n_tiles - 1 - n)."""
+        return (self.n_tiles - 1 - n) % self.slots
+
+    def list_source(self, n, c):
+        """The list position whose entry row c of tile n's staged list holds: n T + c, clamped to
+        the list (positions past k are masked by p < k, never read)."""
+        return cutlass.min(n * self.tile_n + c, self.k - 1)
+
+    def tile_list(self, n):
+        if cutlass.const_expr(self.lists is None):
+            return cute.domain_offset((n * self.tile_n,), self.idx_row)
+        return self.lists[None, self.list_slot(n)]
 
     def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
                  has_left: bool, has_right: bool, ratio, n_compressed, idx_row, k):
@@ -174,14 +199,14 @@ class TopkSpan(FusedSpan):
     @cute.jit
     def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
-            mask_topk_tile(acc, tScS, self.idx_row, n * self.tile_n, self.count, self.k)
+            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k)
         else:
             KvSpan.mask(self, acc, tScS, n, first_row)
 
     @cute.jit
     def mask_if_needed(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
-            mask_topk_tile(acc, tScS, self.idx_row, n * self.tile_n, self.count, self.k)
+            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k)
         else:
             KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
 

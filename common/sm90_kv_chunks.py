@@ -17,7 +17,8 @@ phase = (t // slots) & 1):
                  producer thread (its cp.async rows' cp.async.mbarrier.arrive.noinc), or for a
                  TMA tile one expect_tx and one arrive of count 128.
     empty[s]     arrive count = consumer warps: lane 0 of each consumer warp arrives once
-                 the wgmma that read the slot last (PV) has completed. The producer waits
+                 the wgmma that read the slot last (PV) has completed (after a warp sync where
+                 the lanes also read the slot's SMEM themselves: stage E's staged top-k lists). The producer waits
                  (phase ^ 1: the first use of every slot passes at once) before loading.
 
 Chunk c of slot s is the (tile_n, 64) block at columns 64 c of the slot's (tile_n, d) tile
@@ -38,8 +39,9 @@ CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 
 class KvChunkRing:
     def __init__(self, full: cute.Pointer, empty: cute.Pointer, slots: int, chunks: int, chunk_bytes: int,
-                 consumer_warps: int, full_arrivals: int = 1):
+                 consumer_warps: int, full_arrivals: int = 1, lanes_read_slot: bool = False):
         self.full = full
+        self.lanes_read_slot = lanes_read_slot
         self.full_arrivals = full_arrivals
         self.empty = empty
         self.slots = slots
@@ -93,7 +95,11 @@ class KvChunkRing:
 
     @cute.jit
     def release(self, t: cutlass.Int32):
-        """Consumer (every thread of every consumer warp calls it): tile use t's slot is free."""
+        """Consumer (every thread of every consumer warp calls it): tile use t's slot is free.
+        ``lanes_read_slot`` (stage E top-k: the masks read the slot's staged list with ordinary
+        loads): the warp syncs first, so every lane's reads happen before lane 0's release."""
+        if cutlass.const_expr(self.lanes_read_slot):
+            cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(self.empty + (t % self.slots))
 

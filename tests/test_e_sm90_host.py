@@ -75,11 +75,12 @@ def kernel_class(wrong: str | None):
     raise ValueError(wrong)
 
 
-def mask_replayer(kernel):
+def mask_replayer(kernel, stage=None):
     """A DSL function (called while a host function is traced) replaying every consumer thread's
     masking of every visit of a span's tiles, as the kernel's consumer loop runs it (``mask_s``:
     first visit, then the rest), on accumulators of zeros: out[thread, visit, value] (0 kept, -inf
-    hidden) and coords[thread, value] = (row, column) in the tile."""
+    hidden) and coords[thread, value] = (row, column) in the tile. ``stage(span, it)``, when given,
+    runs before visit it: what the producer may have written to SMEM by then."""
 
     @cute.jit
     def replay(qk_mma: cute.TiledMma, span, first_row: Int32, out: cute.Tensor, coords: cute.Tensor):
@@ -92,11 +93,15 @@ def mask_replayer(kernel):
                 coords[tidx, i, 0] = tScS[i][0]
                 coords[tidx, i, 1] = tScS[i][1]
             acc.fill(0.0)
+            if cutlass.const_expr(stage is not None):
+                stage(span, 0)
             kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 out[tidx, 0, i] = acc[i]
             for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
                 acc.fill(0.0)
+                if cutlass.const_expr(stage is not None):
+                    stage(span, it)
                 kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     out[tidx, it, i] = acc[i]
@@ -284,18 +289,42 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
             span.count = span.n_compressed
             return span
 
+    class OneSlot(FlashAttentionESm90):
+        """Wrong on purpose: every tile's list staged in slot 0 (the producer, a tile ahead,
+        overwrites the list the consumers are masking with)."""
+
+        def kv_span(self, *args):
+            span = super().kv_span(*args)
+            span.list_slot = lambda n: 0
+            return span
+
     head_dim, options = TOPK_KERNELS[name]
-    cls = NoCount if wrong == "no_count" else FlashAttentionESm90
+    cls = {"no_count": NoCount, "one_slot": OneSlot}.get(wrong, FlashAttentionESm90)
     kernel = cls(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True, has_topk=True,
                  has_left=not index_mode, has_right=not index_mode, index_mode=index_mode, **options)
     threads = kernel.consumer_threads
-    replay = mask_replayer(kernel)
 
     @cute.jit
-    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, rows_out: cute.Tensor, idx: cute.Tensor,
-             m_block: Int32, rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32):
+    def stage_ahead(span, it):
+        """The producer's list staging (``list_copy_views``, a plain copy for its cp.async) as far
+        ahead as the ring lets it be at visit it: uses it .. it + slots - 1 (use it + slots waits
+        for the slot visit it still reads)."""
+        for u in cutlass.range(it, cutlass.min(it + kernel.slots, span.n_tiles), unroll=1):
+            n = span.n_tiles - 1 - u
+            if n < span.n_cmp:
+                for c in cutlass.range(kernel.tile_n, unroll=1):
+                    src, dst = kernel.list_copy_views(span, n, c)
+                    dst[0] = src[0]
+
+    replay = mask_replayer(kernel, stage_ahead)
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, rows_out: cute.Tensor, lists: cute.Tensor,
+             idx: cute.Tensor, m_block: Int32, rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32,
+             n_c: Int32):
         qk_mma, _ = kernel.make_mmas()
         span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, idx)
+        span.stage_lists(lists, kernel.slots)  # as the kernel does: the masks read the staged SMEM copy
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -307,12 +336,17 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
     vals = kernel.tile_m * kernel.tile_n // threads
     bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
             torch.zeros(3, dtype=torch.int32), torch.zeros(MAX_VISITS, kernel.tile_n, dtype=torch.int32),
-            torch.zeros(10, 7, dtype=torch.int32))
+            lists_buffer(kernel), torch.zeros(10, 7, dtype=torch.int32))
     with target_arch("sm90"):
         # the list's shape is dynamic, as the kernel receives it (jit.as_cute)
-        fn = cute.compile(host, *[from_dlpack(b) for b in bufs[:4]], jit.as_cute(bufs[4]), *([Int32(1)] * 7),
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs[:5]], jit.as_cute(bufs[5]), *([Int32(1)] * 7),
                           options=f"--gpu-arch={GPU_ARCH['sm90']}")
     return kernel, fn
+
+
+def lists_buffer(kernel):
+    """The staged lists' SMEM as the kernel lays it out, (tile_n, slots) int32 column-major, poisoned."""
+    return torch.full((kernel.slots, kernel.tile_n), -9, dtype=torch.int32).t()
 
 
 def topk_case(seed, seqlen_q, seqlen_k, ratio, n_c, k):
@@ -346,7 +380,7 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
             vals = tile_m * tile_n // threads
             out, coords = torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
             info, rows_out = torch.zeros(3, dtype=torch.int32), torch.full((MAX_VISITS, tile_n), -7, dtype=torch.int32)
-            fn(*[from_dlpack(b) for b in (out, coords, info, rows_out)], jit.as_cute(idx),
+            fn(*[from_dlpack(b) for b in (out, coords, info, rows_out, lists_buffer(kernel))], jit.as_cute(idx),
                *[Int32(x) for x in (m, sq * g, sk, 127, 0, ratio, n_c)])
             origin, n_tiles, n_cmp = info.tolist()
             token = m * tile_m // g
@@ -392,6 +426,12 @@ def test_topk_kept_pairs_and_gathered_rows(name):
 
 def test_topk_checker_rejects_a_list_mask_without_the_count():
     assert topk_failures("split-g128", "no_count") != []
+
+
+def test_topk_checker_rejects_lists_staged_in_one_slot():
+    """The masks read each tile's list from the ring slot of its visit; staging every tile in one
+    slot lets the producer, a tile ahead, overwrite the list being masked with."""
+    assert topk_failures("split-g128", "one_slot") != []
 
 
 def test_topk_needs_whole_tiles_of_one_token():

@@ -253,6 +253,7 @@ class FlashAttentionD1Sm90:
         sV_t = smem_buffer(self.dtype, cute.cosize(sKV_layout), not self.kv_shared)
         sP_t = smem_buffer(self.dtype, cute.cosize(sP_layout), self.p_in_smem)
         stats_t = smem_buffer(cutlass.Float32, 2 * 2 * WGMMA_M, self.split)
+        lists_t = smem_buffer(cutlass.Int32, self.tile_n * self.slots, self.has_topk)
 
         @cute.struct
         class SharedStorage:
@@ -265,6 +266,7 @@ class FlashAttentionD1Sm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
             sV: sV_t
             sP: sP_t
+            lists: lists_t  # E top-k: each ring slot's tile of the token's list (tile_n, slots) int32
 
         self.shared_storage = SharedStorage
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
@@ -295,6 +297,7 @@ class FlashAttentionD1Sm90:
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
     varlen = False  # D3: requests packed along the tokens (cu_seqlens)
     has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
+    has_topk = False  # E: the compressed tiles are gathered list positions; SMEM keeps each slot's list
     producer_warps = 1  # warps of the producer warpgroup that load (E top-k: 4, gathering rows)
     full_arrivals = 1  # arrivals that complete a chunk's full barrier (E top-k: every producer thread)
 
@@ -397,7 +400,8 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(self.kv_shared):
                 chunks = self.head_dim // CHUNK_COLS
                 pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
-                                         tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals)
+                                         tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals,
+                                         lanes_read_slot=self.has_topk)
                 pipeline_v = None
                 self.init_ring(pipeline_k, warp_idx)
             else:
@@ -427,6 +431,8 @@ class FlashAttentionD1Sm90:
                 topk_b = mTopk[b, None, None]
             span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0],
                                 topk_b)
+            if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
+                span.stage_lists(storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))), self.slots)
             origin, n_blocks = span.origin, span.n_tiles
             # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
             mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, b])
