@@ -27,27 +27,23 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
                            has_compressed: bool = False, has_topk: bool = False, **_):
-    """CPU arguments to compile an attention kernel against (kernels are shape-dynamic), for the
-    kernel options given: K = V (one tensor as K and V) and the trailing (seqused_k,
-    window_left, window_right) arguments of stage D1's kernel and those built on it (``plain``:
-    a kernel without them, stages B and C)."""
-    import cutlass
-    from cutlass.cute.runtime import make_fake_stream
-
+    """CPU arguments of an attention kernel for the kernel options given, as a call passes them
+    (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
+    tensor as K and V) and the trailing MASK_ARGS of stage D1's kernel and those built on it
+    (``plain``: a kernel without them, stages B and C)."""
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype)
     k = torch.empty(2, seqlen_k, 2, head_dim, dtype=dtype)
     lse = torch.empty(2, 4, 300, dtype=torch.float32)
     v = k if kv_shared else k.clone()
-    args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(q.clone()), jit.as_cute(lse),
-            cutlass.Float32(0.125 * LOG2E), make_fake_stream()]
+    args = [q, k, v, q.clone(), lse, 0.125 * LOG2E, jit.STREAM]
     if not plain:  # stage D1's kernel on: MASK_ARGS (optional tensors may be None, integers are always given)
-        cu = jit.as_cute(torch.zeros(3, dtype=torch.int32)) if varlen else None
-        args += [jit.as_cute(torch.empty(2, dtype=torch.int32)) if seqused_k else None,
-                 cutlass.Int32(127 if has_left else 0), cutlass.Int32(0), cu, cu, cutlass.Int32(300 if varlen else 0),
-                 jit.as_cute(torch.zeros(4, dtype=torch.float32)) if has_sink else None,
-                 jit.as_cute(torch.empty(2, 50, 2, head_dim, dtype=dtype)) if has_compressed else None,
-                 cutlass.Int32(4 if has_compressed else 0),
-                 jit.as_cute(torch.zeros(2, 300, 160, dtype=torch.int32)) if has_topk else None]
+        cu = torch.zeros(3, dtype=torch.int32) if varlen else None
+        args += [torch.empty(2, dtype=torch.int32) if seqused_k else None,
+                 127 if has_left else 0, 0, cu, cu, 300 if varlen else 0,
+                 torch.zeros(4, dtype=torch.float32) if has_sink else None,
+                 torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
+                 4 if has_compressed else 0,
+                 torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None]
     return args
 
 
@@ -64,8 +60,6 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     adds the options that depend on the validated inputs and the architecture (e.g. D2's group);
     ``extra_args()``, when given, returns the kernel's arguments after the stream (D3's
     seqused_k, D4's window bounds), called after validation."""
-    import cutlass
-
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
     scale = check_scale(softmax_scale, q.shape[3])
     b, sq, h, d = q.shape
@@ -84,11 +78,10 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
-    args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(o), jit.as_cute(lse),
-            cutlass.Float32(scale * LOG2E), jit.current_stream()]
+    args = [q, k, v, o, lse, float(scale * LOG2E), jit.STREAM]
     if extra_args is not None:
         args += extra_args()
-    jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args, options)(*args)
+    jit.launch(stage_id, kernels, arch, q.dtype, d, args, options)
     return o, lse
 
 
@@ -123,13 +116,10 @@ MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seq
 
 def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
               learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None):
-    """MASK_ARGS as kernel arguments."""
-    import cutlass
-
-    t = lambda x: None if x is None else jit.as_cute(x)  # noqa: E731
-    return [t(seqused_k), cutlass.Int32(0 if left is None else left), cutlass.Int32(0 if right is None else right),
-            t(cu_seqlens_q), t(cu_seqlens_k), cutlass.Int32(max_seqlen_q), t(learnable_sink), t(compressed_kv),
-            cutlass.Int32(0 if compress_ratio is None else compress_ratio), t(topk_indices)]
+    """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot)."""
+    return [seqused_k, int(0 if left is None else left), int(0 if right is None else right), cu_seqlens_q,
+            cu_seqlens_k, int(max_seqlen_q), learnable_sink, compressed_kv,
+            int(0 if compress_ratio is None else compress_ratio), topk_indices]
 
 
 def no_mask_args():
