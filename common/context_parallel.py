@@ -12,13 +12,13 @@ all-gather of fixed-size tails: a shard shorter than the window takes rows from 
 back) and the compressed entries are all-gathered (T / ratio rows: 1 KB each at head dim 512,
 little next to the attention). Then every rank runs the fused kernel once on its own queries:
 
-    kv buffer   rows [0, s_r+1): the halo at [s_r - left, s_r), its own rows after it; the rows
-                before the halo are zeros and never read (the kernel's span starts at the window)
-    positions   query i of the shard sits at s_r + i: the kernel's bottom-right alignment with
-                seqlen_k = s_r+1 gives exactly that, so the compressed visibility is the global one
+    raw keys    [halo (h rows), its own rows]: absolute positions s_r - h .. s_r+1 - 1, so the
+                kernel gets kv_start = s_r - h (the absolute position of its raw key 0)
+    positions   query i sits at the bottom-right aligned row h + i of those keys, absolute
+                position kv_start + h + i = s_r + i: the window and the compressed visibility are
+                the global ones
 
-(The buffer's unread prefix costs memory, s_r+1 rows, not time; a ``positions`` argument in the
-kernel would remove it.) No merge: each query's whole key set is on its rank.
+No merge: each query's whole key set is on its rank.
 
 **Dense causal (GQA, any head dim): zig-zag shards, a ring.** The sequence is cut into 2W chunks
 (W ranks); rank r holds chunks r and 2W - 1 - r, so every rank has the same causal work
@@ -96,19 +96,16 @@ def dsv4_attention_cp(q, kv, *, compressed_kv=None, compress_ratio=None, topk_in
     rank = dist.get_rank(group)
     lengths = all_lengths(q.shape[1], group, q.device)
     start = sum(lengths[:rank])
-    end = start + q.shape[1]
     h = halo(kv[0], window_left, lengths, rank, group)
-    buf = torch.zeros((1, end, *kv.shape[2:]), dtype=kv.dtype, device=kv.device)
-    buf[0, start - h.shape[0]: start] = h
-    buf[0, start:end] = kv[0]
+    keys = torch.cat([h, kv[0]])[None]  # absolute positions start - len(h) .. start + n - 1
     kw = {}
     if compressed_kv is not None:
         counts = all_lengths(compressed_kv.shape[1], group, q.device)
         kw = {"compressed_kv": gather_rows(compressed_kv[0], counts, group)[None], "compress_ratio": compress_ratio,
-              "topk_indices": topk_indices}
+              "topk_indices": topk_indices, "kv_start": start - h.shape[0]}
     if q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros((1, q.shape[2], 0), dtype=torch.float32, device=q.device)
-    return attention(q, buf, causal=True, window_size=(window_left, 0), learnable_sink=learnable_sink,
+    return attention(q, keys, causal=True, window_size=(window_left, 0), learnable_sink=learnable_sink,
                      softmax_scale=softmax_scale, **kw)
 
 

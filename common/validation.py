@@ -205,6 +205,13 @@ def check_compressed(compressed_kv, compress_ratio, k, v) -> None:
         raise ValueError("compressed entries are K = V rows: pass the window's keys as one tensor (k is v)")
 
 
+def check_kv_start(kv_start, seqlen_k: int) -> None:
+    """``kv_start``: the absolute position of raw key 0 (the keys passed are the last rows of a longer
+    sequence: a window cache, a context-parallel shard), an int >= 0 with kv_start + seqlen_k < 2^31."""
+    if isinstance(kv_start, bool) or not isinstance(kv_start, int) or kv_start < 0 or kv_start + seqlen_k >= 2**31:
+        raise ValueError(f"kv_start must be an int >= 0 with kv_start + seqlen_k < 2^31; got {kv_start!r}")
+
+
 def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str) -> None:
     """Top-k compressed entries: [batch, seqlen_q, k] int32 on q's device, the last dim contiguous,
     every value -1 or an entry index in [0, n_compressed) (reads the values: one device sync, skipped

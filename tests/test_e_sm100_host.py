@@ -69,8 +69,10 @@ def build_mask_runner(kernel):
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
-             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32):
-        span = kernel.kv_span(m_blk, rows, kernel.kv_length(seqused, 0, seqlen_k), left, right, ratio, n_compressed)
+             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32,
+             kv_start: Int32):
+        span = kernel.kv_span(m_blk, rows, kernel.kv_length(seqused, 0, seqlen_k), left, right, ratio, n_compressed,
+                              None, kv_start)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -89,7 +91,7 @@ def build_mask_runner(kernel):
 
     bufs = run_buffers(kernel.plan.tile_n)
     with target_arch("sm100"):
-        return cute.compile(host, *[from_dlpack(b) for b in bufs], *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1)],
+        return cute.compile(host, *[from_dlpack(b) for b in bufs], *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1, 0)],
                             options=f"--gpu-arch={GPU_ARCH['sm100']}")
 
 
@@ -118,7 +120,7 @@ def kept_triples(name: str, m_blk: int, case: dict):
     su[0] = sk
     fn(*[from_dlpack(b) for b in (out, coords, info, su)],
        *[Int32(x) for x in (m_blk, sq * g, sk, 0 if left is None else left, 0 if right is None else right,
-                            case["ratio"], case["entries"])])
+                            case["ratio"], case["entries"], case.get("kv_start", 0))])
     origin, n_tiles, n_cmp = info.tolist()
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
     kept = {}
@@ -138,14 +140,17 @@ def kept_triples(name: str, m_blk: int, case: dict):
 
 
 def visible_triples(m_blk: int, group: int, case: dict, left, right) -> set:
-    """The plain formulas' triples for the real rows of Q tile m_blk."""
+    """The plain formulas' triples for the real rows of Q tile m_blk (``kv_start``: the absolute
+    position of raw key 0, default 0; ``judge_kv_start`` overrides it for negative controls)."""
     sq, sk, ratio, entries = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"]
+    start = case.get("judge_kv_start", case.get("kv_start", 0))
     want = set()
     for r in range(m_blk * QK_TILE_M, (m_blk + 1) * QK_TILE_M):
         token = r // group
         if token < sq:
             want |= {(r, "w", j) for j in range(sk) if kv_span.visible(token, j, sq, sk, left, right)}
-            want |= {(r, "c", j) for j in range(entries) if compressed_visible(token, j, sq, sk, ratio, entries)}
+            want |= {(r, "c", j) for j in range(entries)
+                     if compressed_visible(token, j, sq, sk, ratio, entries, start)}
     return want
 
 
@@ -218,11 +223,14 @@ MASK_CASES = {  # name -> cases; m_blocks: the Q tiles replayed
         dict(seqlen_q=300, seqlen_k=200, window=W127, ratio=4, entries=50, m_blocks=[0, 100, 102, 103, 299]),
         dict(seqlen_q=4, seqlen_k=1024, window=W127, ratio=128, entries=8, m_blocks=[0, 3]),  # t' + 1 = 1024
         dict(seqlen_q=3, seqlen_k=1023, window=W127, ratio=128, entries=5, m_blocks=[0, 1, 2]),  # 5 < 7, 7 | 1024
+        # a window cache: the raw keys are the last 130 rows of a 2130-token sequence
+        dict(seqlen_q=2, seqlen_k=130, window=W127, ratio=4, entries=600, kv_start=2000, m_blocks=[0, 1]),
     ],
     "e-hd512-g1": [  # 128 tokens per tile: counts grow along the tile, windows cut 64-key tiles
         dict(seqlen_q=300, seqlen_k=300, window=W127, ratio=4, entries=100, m_blocks=[0, 1, 2]),
         dict(seqlen_q=200, seqlen_k=1000, window=W127, ratio=128, entries=10, m_blocks=[0, 1]),
         dict(seqlen_q=300, seqlen_k=100, window=W127, ratio=4, entries=30, m_blocks=[0, 1, 2]),  # tokens < 200 empty
+        dict(seqlen_q=200, seqlen_k=330, window=W127, ratio=128, entries=12, kv_start=1000, m_blocks=[0, 1]),
     ],
     "e-hd256-g64": [  # two tokens per tile, 128-key tiles
         dict(seqlen_q=10, seqlen_k=500, window=W127, ratio=4, entries=200, m_blocks=[0, 4]),
@@ -259,6 +267,15 @@ def test_masks_keep_exactly_the_visible_triples(name, case):
 ])  # fmt: skip
 def test_mask_checker_rejects_wrong_masks(name, case):
     assert mask_failures(name, case) != []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_mask_checker_rejects_a_kv_start_the_kernel_did_not_get():
+    """Negative control: the window cache case judged as if raw key 0 were at position 0."""
+    case = dict(seqlen_q=2, seqlen_k=130, window=W127, ratio=4, entries=600, kv_start=2000, m_blocks=[0],
+                judge_kv_start=0)
+    assert mask_failures("e-hd512-g128", case) != []
 
 
 @pytest.mark.proof

@@ -214,6 +214,7 @@ class FlashAttentionD1Sm90:
         mCompressed: cute.Tensor | None = None,
         compress_ratio: cutlass.Int32 = None,
         mTopk: cute.Tensor | None = None,
+        kv_start: cutlass.Int32 = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -282,7 +283,7 @@ class FlashAttentionD1Sm90:
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem,
+            mTopk, mC_mem, kv_start,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -306,9 +307,10 @@ class FlashAttentionD1Sm90:
         return seqlen_k
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                mTopk) -> KvSpan:
+                mTopk, kv_start=0) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py;
-        the fused stage adds compressed tiles in front, common/compressed.py)."""
+        the fused stage adds compressed tiles in front, common/compressed.py, whose visibility
+        counts absolute positions from ``kv_start``)."""
         return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
                       self.has_left, self.has_right)
 
@@ -369,6 +371,7 @@ class FlashAttentionD1Sm90:
         compress_ratio: cutlass.Int32 | None,
         mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of compressed entries
         mC_mem: cute.Tensor,  # the compressed entries' memory (seqlen_c, d, kv_heads, batch); O's where unused
+        kv_start: cutlass.Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -430,7 +433,7 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(mTopk is not None):
                 topk_b = mTopk[b, None, None]
             span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0],
-                                topk_b)
+                                topk_b, kv_start)
             if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
                 span.stage_lists(storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))), self.slots)
             origin, n_blocks = span.origin, span.n_tiles

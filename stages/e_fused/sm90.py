@@ -52,10 +52,11 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             self.consumer_regs -= 8
             self.producer_regs += 8 * self.num_wg
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk):
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk,
+                kv_start=0):
         if cutlass.const_expr(not self.has_compressed):
             return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk)
+                                   mTopk, kv_start)
         token = m_block * self.tile_m // self.pack_group
         if cutlass.const_expr(self.index_mode):  # the list is every key
             return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, n_compressed,
@@ -63,9 +64,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         if cutlass.const_expr(self.has_topk):  # the Q tile's one token's list
             return TopkSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
                             window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1])
+                            mTopk[token, None], mTopk.shape[1], kv_start)
         return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed)
+                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start)
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
