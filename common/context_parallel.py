@@ -30,6 +30,11 @@ combined with the exact LSE merge (``merge.merge_attention``).
 
 Both take ``attention``: the single-device attention to run locally (default: the library's
 kernels on GPU tensors; the tests pass the float64 reference to check the schedules on CPUs).
+
+Backends: NCCL (one GPU per rank) moves GPU tensors directly. Over gloo, GPU tensors travel
+through host copies (``_wire``, ``_home``): that is what lets two ranks share one GPU (NCCL refuses
+two ranks on one device), so the schedules run with the real kernels wherever a GPU exists; it is
+a test setup, not a fast path.
 """
 
 from __future__ import annotations
@@ -47,10 +52,21 @@ def _dist():
     return dist
 
 
+def _wire(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``x`` as the backend moves it: GPU tensors go over gloo as host copies."""
+    if x.is_cuda and _dist().get_backend(group) == "gloo":
+        return x.cpu()
+    return x
+
+
+def _home(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return x.to(like.device, non_blocking=False) if x.device != like.device else x
+
+
 def all_lengths(n: int, group=None, device=None) -> list[int]:
     """Every rank's ``n`` (its shard's token count), in rank order."""
     dist = _dist()
-    t = torch.tensor([n], dtype=torch.int64, device=device)
+    t = _wire(torch.tensor([n], dtype=torch.int64, device=device), group)
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t, group=group)
     return [int(x) for x in out]
@@ -63,9 +79,10 @@ def gather_rows(x: torch.Tensor, lengths: list[int], group=None) -> torch.Tensor
     most = max(max(lengths), 1)
     pad = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
     pad[: x.shape[0]] = x
+    pad = _wire(pad, group)
     out = [torch.empty_like(pad) for _ in lengths]
     dist.all_gather(out, pad, group=group)
-    return torch.cat([o[:n] for o, n in zip(out, lengths, strict=True)])
+    return _home(torch.cat([o[:n] for o, n in zip(out, lengths, strict=True)]), x)
 
 
 def halo(kv: torch.Tensor, rows: int, lengths: list[int], rank: int, group=None) -> torch.Tensor:
@@ -183,8 +200,9 @@ def ring_attention_cp(q, k, v, *, seqlen: int, softmax_scale=None, group=None, a
     for step in range(world):
         reqs, nxt = [], None
         if step < world - 1:  # post the next transfer before this step's compute: they overlap
-            nxt = torch.empty_like(kv)
-            send = dist.P2POp(dist.isend, kv, (rank + 1) % world, group)
+            out = _wire(kv, group)
+            nxt = torch.empty_like(out)
+            send = dist.P2POp(dist.isend, out, (rank + 1) % world, group)
             recv = dist.P2POp(dist.irecv, nxt, (rank - 1) % world, group)
             reqs = dist.batch_isend_irecv([send, recv])
         c0, c1 = zigzag_chunks(src, world)
@@ -194,7 +212,7 @@ def ring_attention_cp(q, k, v, *, seqlen: int, softmax_scale=None, group=None, a
         for r in reqs:
             r.wait()
         if nxt is not None:
-            kv, src = nxt, (src - 1) % world
+            kv, src = _home(nxt, k), (src - 1) % world
     outs, lses = [], []
     for (o_lse, qa) in zip(acc, q_parts, strict=True):
         if o_lse is None:  # an empty chunk

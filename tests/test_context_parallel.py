@@ -159,12 +159,13 @@ def gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.skipif(gpus() < 2, reason=f"needs 2 GPUs (NCCL: one GPU per rank); this machine has {gpus()}")
+@pytest.mark.skipif(gpus() < 1, reason="needs a GPU; this machine has none")
 @pytest.mark.parametrize("case", ["dsv4", "ring"])
-def test_two_gpus_equal_the_single_gpu_kernel(case):
-    """The kernels under both schedules on 2 GPUs (``tools.cp_demo --check``): the gathered shards
-    against the float64 reference on the last 256 queries (stage B's bounds), and against the
-    single-GPU call. 3001 tokens: neither a multiple of the ranks nor of the tiles."""
+def test_two_ranks_equal_the_single_gpu_kernel(case):
+    """The kernels under both schedules in 2 ranks (``tools.cp_demo --check``): NCCL on 2 GPUs, or
+    gloo with both ranks sharing one GPU. The gathered shards against the float64 reference on the
+    last 256 queries (stage B's bounds) and against the single-GPU call. 3001 tokens: neither a
+    multiple of the ranks nor of the tiles."""
     from dsv4_attention.common.arch import present_arch
 
     if present_arch() is None:

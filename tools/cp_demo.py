@@ -2,7 +2,11 @@
 against the single-GPU kernel and timed against it.
 
     torchrun --nproc-per-node 2 -m tools.cp_demo [--case dsv4|ring|both] [--seqlen N] [--check]
+                                         [--backend nccl|gloo]
     nox -s cp_demo                       (the same, on every GPU of the machine)
+
+With fewer GPUs than ranks, ranks share GPUs (rank r on GPU r mod count) over gloo, whose GPU
+tensors travel through host copies: a correctness run (``--check``), not a timing.
 
 Every rank builds the whole problem from one seed (so no input is sent), keeps its shard, and
 runs the context-parallel call; rank 0 then runs the single-GPU kernel on the whole sequence
@@ -38,14 +42,13 @@ def timed(fn, iters: int = 5) -> float:
         fn()
         end.record()
         torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end)], device="cuda")
+        t = torch.tensor([start.elapsed_time(end)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is the call's time
         times.append(float(t))
     return sorted(times)[len(times) // 2]
 
 
 def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
-    import torch.distributed as dist
 
     from dsv4_attention.common import context_parallel as cp
     from dsv4_attention.common.reference import fused_attention
@@ -71,11 +74,8 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     row["single_ms"] = timed(lambda: e_fused.forward(q, kv, **kw)) if rank == 0 else None
     if check:
         o_cp, _ = call()
-        parts = [torch.empty(1, bounds[r + 1] - bounds[r], h, d, device="cuda", dtype=o_cp.dtype)
-                 for r in range(world)]
-        dist.all_gather(parts, o_cp.contiguous())
+        o_cp = cp.gather_rows(o_cp[0], [bounds[r + 1] - bounds[r] for r in range(world)])[None]
         if rank == 0:
-            o_cp = torch.cat(parts, dim=1)
             o_one, _ = e_fused.forward(q, kv, **kw)
             rows = slice(seqlen - 256, seqlen)
             ref, _ = fused_attention(q[:, rows], kv, **kw, positions=torch.arange(seqlen - 256, seqlen))
@@ -87,7 +87,6 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
 
 
 def ring_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
-    import torch.distributed as dist
 
     from dsv4_attention.common import context_parallel as cp
     from dsv4_attention.common.reference import attention
@@ -106,8 +105,9 @@ def ring_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     row["single_ms"] = timed(lambda: d4_causal_window.forward(q, k, v, causal=True)) if rank == 0 else None
     if check:
         o_cp, _ = call()
-        parts = [torch.empty_like(cp.zigzag_shard(q, r, world)) for r in range(world)]
-        dist.all_gather(parts, o_cp.contiguous())
+        sizes = [cp.zigzag_shard(q, r, world).shape[1] for r in range(world)]
+        whole = cp.gather_rows(o_cp[0], sizes)[None]  # the shards in rank order
+        parts = list(whole.split(sizes, dim=1))
         if rank == 0:
             o_cp = cp.zigzag_unshard(parts, seqlen)
             o_one, _ = d4_causal_window.forward(q, k, v, causal=True)
@@ -128,10 +128,17 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=["dsv4", "ring", "both"], default="both")
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                    help="default: nccl with a GPU per rank, gloo (ranks sharing GPUs) otherwise")
     a = ap.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = a.backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    if backend == "nccl":
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     if a.case in ("dsv4", "both"):
@@ -141,7 +148,8 @@ def main(argv=None) -> int:
     if rank == 0:
         for r in rows:
             r["speedup"] = round(r["single_ms"] / r["cp_ms"], 3)
-            print(json.dumps({**r, "gpu": torch.cuda.get_device_name()}), flush=True)
+            print(json.dumps({**r, "backend": backend, "gpus": torch.cuda.device_count(),
+                              "gpu": torch.cuda.get_device_name()}), flush=True)
     dist.destroy_process_group()
     return 0 if all(r.get("ok", True) for r in rows) or rank != 0 else 1
 
