@@ -34,6 +34,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Float32, Int32
+from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import compressed_visible
@@ -45,8 +46,6 @@ from dsv4_attention.stages.e_fused.sm100 import FlashAttentionESm100
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_e]
 
 BF16 = cutlass.BFloat16
-#: visits a host run records (every case here visits fewer)
-MAX_VISITS = 16
 
 
 def make_kernel(head_dim: int, cls=FlashAttentionESm100, **options):
@@ -59,47 +58,6 @@ def make_kernel(head_dim: int, cls=FlashAttentionESm100, **options):
 # 1. the masks, run on the host
 
 
-def build_mask_runner(kernel):
-    """A host function (compiled for sm100, run on the CPU) that replays the softmax warps' masking
-    of one Q tile for all 128 threads, with the kernel's own builders and methods."""
-    from cutlass.cute.runtime import from_dlpack
-
-    from dsv4_attention.common.arch import GPU_ARCH, target_arch
-    from dsv4_attention.common.tmem import placeholder_tmem_base
-
-    @cute.jit
-    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
-             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32,
-             kv_start: Int32):
-        span = kernel.kv_span(m_blk, rows, kernel.kv_length(seqused, 0, seqlen_k), left, right, ratio, n_compressed,
-                              None, kv_start)
-        info[0] = span.origin
-        info[1] = span.n_tiles
-        info[2] = span.n_cmp
-        for t in cutlass.range(EPI_THREADS, unroll=1):
-            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
-            keys = kernel.row_keys(span, m_blk, tTR_cS)
-            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(s_row)):
-                coords[t, i, 0] = tTR_cS[i][0]
-                coords[t, i, 1] = tTR_cS[i][1]
-            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                s_row.fill(0.0)
-                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
-                for i in cutlass.range_constexpr(cute.size(s_row)):
-                    out[t, it, i] = s_row[i]
-
-    bufs = run_buffers(kernel.plan.tile_n)
-    with target_arch("sm100"):
-        return cute.compile(host, *[from_dlpack(b) for b in bufs], *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1, 0)],
-                            options=f"--gpu-arch={GPU_ARCH['sm100']}")
-
-
-def run_buffers(tile_n: int):
-    return (torch.zeros(EPI_THREADS, MAX_VISITS, tile_n), torch.zeros(EPI_THREADS, tile_n, 2, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-
-
 @functools.cache
 def mask_runner(name: str):
     kernel = KERNELS[name]()
@@ -110,18 +68,13 @@ def kept_triples(name: str, m_blk: int, case: dict):
     """{(packed row, source, key): times kept} over the real rows of Q tile m_blk, every visit and
     every thread / value, as the kernel's masks leave them (source 'c': compressed entry, 'w': raw
     key); and (origin, n_tiles, n_cmp)."""
-    from cutlass.cute.runtime import from_dlpack
 
     kernel, fn = mask_runner(name)
     g, tile_n = kernel.pack_group, kernel.plan.tile_n
     sq, sk = case["seqlen_q"], case["seqlen_k"]
     left, right = case.get("window", (None, None))
-    out, coords, info, su = run_buffers(tile_n)
-    su[0] = sk
-    fn(*[from_dlpack(b) for b in (out, coords, info, su)],
-       *[Int32(x) for x in (m_blk, sq * g, sk, 0 if left is None else left, 0 if right is None else right,
-                            case["ratio"], case["entries"], case.get("kv_start", 0))])
-    origin, n_tiles, n_cmp = info.tolist()
+    out, coords, (origin, n_tiles, n_cmp) = replay(fn, tile_n, m_blk, sq * g, sk, sk, left, right, case["ratio"],
+                                                   case["entries"], case.get("kv_start", 0))
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
     kept = {}
     for it in range(n_tiles):
