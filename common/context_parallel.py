@@ -165,6 +165,7 @@ def _causal_step(acc, q_parts, q_chunks, k_chunks, attention, kw):
             if b > a or kb.shape[1] == 0:
                 continue  # keys after every query of the chunk: nothing visible
             o, lse = attention(qa, kb, vb, causal=(b == a), **kw)
+            o = o.float() if o.element_size() < 4 else o  # merged in fp32: one rounding to q's dtype at the end
             acc[i] = (o, lse) if acc[i] is None else merge_attention(acc[i][0], acc[i][1], o, lse)
 
 
