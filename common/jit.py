@@ -71,17 +71,18 @@ def call_args(args) -> list:
 
 def fake_tensor(t: torch.Tensor):
     """A compile-time stand-in for ``t``: its dtype and rank, every dimension (int32) and every
-    stride (int64) dynamic but the last stride, 1; in GPU memory. 16-bit tensors (Q, K, V, O, the
-    compressed entries: TMA and vector copies) are 16-byte aligned, as the stages check before
-    launch; 32-bit ones (LSE, lengths, offsets, sink, top-k lists: element accesses) 4-byte
-    aligned, so a caller's offset view of them is served (the function checks what it assumes)."""
+    stride (int64) dynamic but the last stride, 1; in GPU memory. The [batch, seqlen, heads, dim]
+    tensors (Q, K, V, O, stage A's S, the compressed entries: TMA and vector copies) are 16-byte
+    aligned, as the stages check before launch; the others (LSE, lengths, offsets, sink, top-k
+    lists: element accesses) 4-byte aligned, so a caller's offset view of them is served (the
+    function checks what it assumes)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     n = t.dim()
     return make_fake_tensor(cutlass_dtype(t.dtype, ints=True), tuple(cute.sym_int32() for _ in range(n)),
                             tuple(cute.sym_int64() for _ in range(n - 1)) + (1,),
-                            assumed_align=16 if t.element_size() == 2 else 4)
+                            assumed_align=16 if n == 4 else 4)
 
 
 def compile_args(args) -> list:
