@@ -23,13 +23,36 @@ def run_buffers(tile_n: int):
             torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
 
 
+def thread_replayer(kernel):
+    """A DSL function (called while a host function is traced): every softmax thread's masking of
+    every visit of ``span``'s tiles into ``out`` / ``coords``, as the kernel runs it."""
+    from dsv4_attention.common.tmem import placeholder_tmem_base
+
+    @cute.jit
+    def replay_threads(span, m_blk: Int32, out: cute.Tensor, coords: cute.Tensor):
+        for t in cutlass.range(EPI_THREADS, unroll=1):
+            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
+            keys = kernel.row_keys(span, m_blk, tTR_cS)
+            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(s_row)):
+                coords[t, i, 0] = tTR_cS[i][0]
+                coords[t, i, 1] = tTR_cS[i][1]
+            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
+                s_row.fill(0.0)
+                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
+                for i in cutlass.range_constexpr(cute.size(s_row)):
+                    out[t, it, i] = s_row[i]
+
+    return replay_threads
+
+
 def build_mask_runner(kernel):
     from cutlass.cute.runtime import from_dlpack
 
     from dsv4_attention.common.arch import GPU_ARCH, target_arch
-    from dsv4_attention.common.tmem import placeholder_tmem_base
 
     compressed = bool(getattr(kernel, "has_compressed", False))
+    replay_threads = thread_replayer(kernel)
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
@@ -45,18 +68,7 @@ def build_mask_runner(kernel):
             info[2] = 0
         info[0] = span.origin
         info[1] = span.n_tiles
-        for t in cutlass.range(EPI_THREADS, unroll=1):
-            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
-            keys = kernel.row_keys(span, m_blk, tTR_cS)
-            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(s_row)):
-                coords[t, i, 0] = tTR_cS[i][0]
-                coords[t, i, 1] = tTR_cS[i][1]
-            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                s_row.fill(0.0)
-                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
-                for i in cutlass.range_constexpr(cute.size(s_row)):
-                    out[t, it, i] = s_row[i]
+        replay_threads(span, m_blk, out, coords)
 
     bufs = run_buffers(kernel.plan.tile_n)
     with target_arch("sm100"):

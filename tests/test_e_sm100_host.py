@@ -33,14 +33,14 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 import torch
-from cutlass import Float32, Int32
-from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers
+from cutlass import Int32
+from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers, thread_replayer
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import compressed_visible
 from dsv4_attention.common.layout_proof import first_mismatches
 from dsv4_attention.common.sm100_softmax import visible_columns
-from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
+from dsv4_attention.common.tmem import QK_TILE_M
 from dsv4_attention.stages.e_fused.sm100 import FlashAttentionESm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_e]
@@ -367,9 +367,9 @@ def build_topk_mask_runner(kernel):
 
     from dsv4_attention.common.arch import GPU_ARCH, target_arch
     from dsv4_attention.common.jit import as_cute
-    from dsv4_attention.common.tmem import placeholder_tmem_base
 
     kernel.topk_words_on_host = True
+    replay_threads = thread_replayer(kernel)
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32,
@@ -378,18 +378,7 @@ def build_topk_mask_runner(kernel):
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
-        for t in cutlass.range(EPI_THREADS, unroll=1):
-            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
-            keys = kernel.row_keys(span, m_blk, tTR_cS)
-            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(s_row)):
-                coords[t, i, 0] = tTR_cS[i][0]
-                coords[t, i, 1] = tTR_cS[i][1]
-            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                s_row.fill(0.0)
-                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
-                for i in cutlass.range_constexpr(cute.size(s_row)):
-                    out[t, it, i] = s_row[i]
+        replay_threads(span, m_blk, out, coords)
 
     bufs = run_buffers(kernel.plan.tile_n)[:3]
     with target_arch("sm100"):

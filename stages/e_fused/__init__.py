@@ -28,7 +28,7 @@ import torch
 
 from dsv4_attention.common import interface, jit
 from dsv4_attention.common.compressed import compressed_visible  # noqa: F401 - the formula, for callers
-from dsv4_attention.common.validation import check_window
+from dsv4_attention.common.validation import check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import visible_pairs
 
@@ -111,7 +111,7 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
             raise ValueError(f"topk_length must be a [tokens] = ({q.shape[0]},) int32 tensor on {q.device}")
         k = idx.shape[1]
         if q.shape[0] and not (topk_length.is_cuda and torch.cuda.is_current_stream_capturing()):
-            lo, hi = int(topk_length.min()), int(topk_length.max())
+            lo, hi = value_range(topk_length)
             if lo < 0 or hi > k:
                 raise ValueError(f"topk_length values must lie in [0, k = {k}]; got min {lo}, max {hi}")
         idx = torch.where(torch.arange(k, device=idx.device)[None] < topk_length[:, None], idx, -1)
