@@ -28,14 +28,17 @@ import os
 import torch
 
 
-def timed(fn, iters: int = 5) -> float:
-    """Median milliseconds of ``fn`` across the group (every rank starts together)."""
+def timed(fn, iters: int = 5, group: bool = True) -> float:
+    """Median milliseconds of ``fn``: across the group (every rank starts together, the slowest
+    rank's time counts), or, with ``group=False``, of this rank alone (a call only rank 0 makes:
+    a collective there would wait forever for the other ranks)."""
     import torch.distributed as dist
 
     times = []
     fn()
     for _ in range(iters):
-        dist.barrier()
+        if group:
+            dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -43,7 +46,8 @@ def timed(fn, iters: int = 5) -> float:
         end.record()
         torch.cuda.synchronize()
         t = torch.tensor([start.elapsed_time(end)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is the call's time
+        if group:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is the call's time
         times.append(float(t))
     return sorted(times)[len(times) // 2]
 
@@ -71,7 +75,7 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
           "learnable_sink": sink}
     row = {"case": f"dsv4 HCA h{h} hd{d} ratio {ratio} seqlen {seqlen}", "world": world, "shards": "contiguous",
            "cp_ms": timed(call)}
-    row["single_ms"] = timed(lambda: e_fused.forward(q, kv, **kw)) if rank == 0 else None
+    row["single_ms"] = timed(lambda: e_fused.forward(q, kv, **kw), group=False) if rank == 0 else None
     if check:
         o_cp, _ = call()
         o_cp = cp.gather_rows(o_cp[0], [bounds[r + 1] - bounds[r] for r in range(world)])[None]
@@ -102,7 +106,7 @@ def ring_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     call = lambda: cp.ring_attention_cp(*mine, seqlen=seqlen)  # noqa: E731
     row = {"case": f"dense causal GQA h{h}/{hk} hd{d} seqlen {seqlen}", "world": world, "shards": "zig-zag ring",
            "cp_ms": timed(call)}
-    row["single_ms"] = timed(lambda: d4_causal_window.forward(q, k, v, causal=True)) if rank == 0 else None
+    row["single_ms"] = timed(lambda: d4_causal_window.forward(q, k, v, causal=True), group=False) if rank == 0 else None
     if check:
         o_cp, _ = call()
         sizes = [cp.zigzag_shard(q, r, world).shape[1] for r in range(world)]

@@ -72,6 +72,8 @@ def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
                 verified.append(f"FAILING on {tag}: {failed} of {passed + failed}")
             elif session_failed:
                 verified.append(f"unproven: {tag}'s session had {session_failed} failing tests")
+            elif report.missing_shards(rep):
+                verified.append(f"unproven: {tag}'s session lacks part {', '.join(report.missing_shards(rep))}")
             else:
                 err = rep.get("errors", {}).get(stage, {}).get(arch, {})
                 e = f", worst rel {err['rel_fro']:.1e}" if err else ""
