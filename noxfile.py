@@ -8,6 +8,7 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
     demo        the main job: newest stage on a GPU, or compile everything without one
     compare     one row per stage: what it adds, compile time and resources, GPU error and time
     gpu_report  GPU tests + benchmarks -> $OUT/<gpu>.json (`-- --stage a` for one stage)
+    cp_demo     context-parallel attention over the machine's GPUs (torchrun)
     status      record the CPU suite and render the README / docs status table
     lint, docs  ruff; mkdocs build --strict (this machine only)
 """
@@ -87,6 +88,17 @@ def compare(session):
 def gpu_report(session):
     _install(session)
     session.run(_python(session), "-m", "tools.gpu_report", *session.posargs)
+
+
+@nox.session
+def cp_demo(session):
+    """context-parallel attention on every GPU of this machine (torchrun; common/context_parallel.py)"""
+    _install(session)
+    import torch
+
+    gpus = str(max(torch.cuda.device_count(), 1)) if torch.cuda.is_available() else "1"
+    session.run(_python(session), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", gpus, "-m",
+                "tools.cp_demo", *session.posargs)
 
 
 @nox.session

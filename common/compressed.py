@@ -8,8 +8,10 @@ is visible to the query at absolute position t iff
     j < floor((t + 1) / r)      (and j < n_compressed, the entries the request has)
 
 (HCA layers: r = 128, every visible entry). t is the query's position bottom-right aligned as in
-D4: t = i + seqlen_k - seqlen_q for query token i of a request with seqlen_k raw keys. A query at
-t < r - 1 sees no entry; a negative t (seqlen_q > seqlen_k) none either.
+D4 in the frame of the raw keys, plus the absolute position of raw row 0 (``kv_start``, 0 unless
+the caller passes only the last rows of a longer sequence, as a window cache or a context-parallel
+shard does): t = kv_start + i + seqlen_k - seqlen_q for query token i of a request with seqlen_k
+raw keys. A query at t < r - 1 sees no entry; a negative t none either.
 
 The fused span of a Q tile (rows = tokens t_lo .. t_hi) visits its KV tiles in one index space,
 
@@ -53,28 +55,30 @@ def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index
         raise ValueError("compressed entries with cu_seqlens are not supported yet: pass batched tensors")
 
 
-def compressed_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, ratio: int, n_compressed: int) -> bool:
+def compressed_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, ratio: int, n_compressed: int,
+                       kv_start: int = 0) -> bool:
     """The plain formula, one (query token, compressed entry) pair: for tests and host proofs."""
-    t = i + seqlen_k - seqlen_q
+    t = kv_start + i + seqlen_k - seqlen_q
     return 0 <= j < n_compressed and (t + 1) >= 0 and j < (t + 1) // ratio
 
 
-def compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed):
-    """Entries [0, count) visible to query token ``token``: min(n_compressed, floor((t' + 1) / r)),
-    0 where t' + 1 <= 0 (clamped before the division: DSL integers divide toward zero)."""
-    t1 = cutlass.max(token + seqlen_k - seqlen_q + 1, 0)
+def compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed, kv_start=0):
+    """Entries [0, count) visible to query token ``token``: min(n_compressed, floor((t + 1) / r)),
+    t = kv_start + token + seqlen_k - seqlen_q, 0 where t + 1 <= 0 (clamped before the division:
+    DSL integers divide toward zero)."""
+    t1 = cutlass.max(kv_start + token + seqlen_k - seqlen_q + 1, 0)
     return cutlass.min(t1 // ratio, n_compressed)
 
 
 @cute.jit
 def mask_compressed_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Constexpr[int],
-                         first_entry, seqlen_q, seqlen_k, ratio, n_compressed):
+                         first_entry, seqlen_q, seqlen_k, ratio, n_compressed, kv_start):
     """Scores of entries a row may not see -> -inf, in place (SM90 fragment: value i of the thread
     is tile row tScS[i][0], packed row first_row + that, token // group, and entry
     first_entry + tScS[i][1])."""
     for i in cutlass.range_constexpr(cute.size(acc)):
         token = (first_row + tScS[i][0]) // group
-        count = compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed)
+        count = compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed, kv_start)
         acc[i] = -cutlass.Float32.inf if first_entry + tScS[i][1] >= count else acc[i]
 
 
@@ -83,14 +87,14 @@ class FusedSpan(KvSpan):
     ``n_tiles`` = n_cmp + the window's tiles; ``origin`` / ``window_tiles`` are D4's span
     (``origin`` its first key: the K view the kernels offset)."""
 
-    _DYNAMIC = KvSpan._DYNAMIC + ("ratio", "n_compressed", "n_cmp", "c_lo", "window_tiles")
+    _DYNAMIC = KvSpan._DYNAMIC + ("ratio", "n_compressed", "n_cmp", "c_lo", "window_tiles", "kv_start")
 
     def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
-                 has_left: bool, has_right: bool, ratio, n_compressed):
+                 has_left: bool, has_right: bool, ratio, n_compressed, kv_start=0):
         super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, left, right, has_left, has_right)
-        self.ratio, self.n_compressed = ratio, n_compressed
-        c_hi = compressed_count(self.t_hi, self.seqlen_q, seqlen_k, ratio, n_compressed)
-        self.c_lo = compressed_count(self.t_lo, self.seqlen_q, seqlen_k, ratio, n_compressed)
+        self.ratio, self.n_compressed, self.kv_start = ratio, n_compressed, kv_start
+        c_hi = compressed_count(self.t_hi, self.seqlen_q, seqlen_k, ratio, n_compressed, kv_start)
+        self.c_lo = compressed_count(self.t_lo, self.seqlen_q, seqlen_k, ratio, n_compressed, kv_start)
         self.n_cmp = (c_hi + tile_n - 1) // tile_n
         self.window_tiles = self.n_tiles
         self.n_tiles = self.n_cmp + self.window_tiles
@@ -111,7 +115,7 @@ class FusedSpan(KvSpan):
     def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
             mask_compressed_tile(acc, tScS, first_row, self.group, n * self.tile_n, self.seqlen_q, self.seqlen_k,
-                                 self.ratio, self.n_compressed)
+                                 self.ratio, self.n_compressed, self.kv_start)
         else:
             KvSpan.mask(self, acc, tScS, n, first_row)  # first_key(n): the window's key
 
@@ -120,7 +124,7 @@ class FusedSpan(KvSpan):
         if n < self.n_cmp:
             if self.compressed_needs_mask(n):
                 mask_compressed_tile(acc, tScS, first_row, self.group, n * self.tile_n, self.seqlen_q,
-                                     self.seqlen_k, self.ratio, self.n_compressed)
+                                     self.seqlen_k, self.ratio, self.n_compressed, self.kv_start)
         else:
             KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
 
@@ -138,34 +142,60 @@ class FusedSpan(KvSpan):
 
 
 def topk_visible(i: int, p: int, idx: int, seqlen_q: int, seqlen_k: int, ratio: int, n_compressed: int,
-                 k: int) -> bool:
+                 k: int, kv_start: int = 0) -> bool:
     """The plain formula: list position p (holding entry idx) of query token i is a visible key."""
-    return 0 <= p < k and idx >= 0 and compressed_visible(i, idx, seqlen_q, seqlen_k, ratio, n_compressed)
+    return 0 <= p < k and idx >= 0 and compressed_visible(i, idx, seqlen_q, seqlen_k, ratio, n_compressed,
+                                                           kv_start)
 
 
 @cute.jit
-def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, idx_row: cute.Tensor, first_pos, count, k):
+def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, tile_list: cute.Tensor, first_pos, count, k):
     """Scores of list positions a row may not see -> -inf, in place (SM90 fragment: value i holds
-    list position first_pos + tScS[i][1] of the tile's one token; ``idx_row`` that token's list,
-    ``count`` its visible entry count)."""
+    list position p = first_pos + tScS[i][1] of the tile's one token; ``tile_list[c]`` the entry at
+    position first_pos + c, read only where p < k; ``count`` the token's visible entry count)."""
     for i in cutlass.range_constexpr(cute.size(acc)):
         p = first_pos + tScS[i][1]
         j = cutlass.Int32(-1)
         if p < k:
-            j = idx_row[p]
+            j = tile_list[tScS[i][1]]
         acc[i] = -cutlass.Float32.inf if (j < 0) | (j >= count) else acc[i]
 
 
 class TopkSpan(FusedSpan):
     """``FusedSpan`` whose compressed tiles are positions of the Q tile's token's top-k list
-    (``idx_row``, k positions): n_cmp = ceil(k / T), every compressed tile masked by the list."""
+    (``idx_row``, k positions): n_cmp = ceil(k / T), every compressed tile masked by the list.
 
-    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row")
+    The masks read tile n's T list entries from ``tile_list(n)``: the list in global memory, or,
+    once ``stage_lists`` gave it SMEM (sm90), the copy the producer stages beside the gathered rows
+    in the ring slot of the tile's visit (column ``list_slot(n)`` of a (T, slots) int32 buffer,
+    position n T + c in row c, read from the list at ``list_source(n, c)``): the consumers then
+    read 4 bytes of SMEM per score column instead of waiting on global loads after each QK GEMM."""
+
+    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row", "lists")
+    lists = None  # (T, slots) int32 SMEM: each ring slot's tile of the list (sm90 top-k)
+    slots = 1
+
+    def stage_lists(self, lists: cute.Tensor, slots: int):
+        self.lists, self.slots = lists, slots
+
+    def list_slot(self, n):
+        """The ring slot of tile n's visit (the kernels visit tiles last-first: use t = n_tiles - 1 - n)."""
+        return (self.n_tiles - 1 - n) % self.slots
+
+    def list_source(self, n, c):
+        """The list position whose entry row c of tile n's staged list holds: n T + c, clamped to
+        the list (positions past k are masked by p < k, never read)."""
+        return cutlass.min(n * self.tile_n + c, self.k - 1)
+
+    def tile_list(self, n):
+        if cutlass.const_expr(self.lists is None):
+            return cute.domain_offset((n * self.tile_n,), self.idx_row)
+        return self.lists[None, self.list_slot(n)]
 
     def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
-                 has_left: bool, has_right: bool, ratio, n_compressed, idx_row, k):
+                 has_left: bool, has_right: bool, ratio, n_compressed, idx_row, k, kv_start=0):
         super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, left, right, has_left, has_right, ratio,
-                         n_compressed)
+                         n_compressed, kv_start)
         self.idx_row, self.k = idx_row, k
         self.count = self.c_lo  # one token per Q tile: t_lo = t_hi
         self.n_cmp = (k + tile_n - 1) // tile_n
@@ -174,14 +204,14 @@ class TopkSpan(FusedSpan):
     @cute.jit
     def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
-            mask_topk_tile(acc, tScS, self.idx_row, n * self.tile_n, self.count, self.k)
+            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k)
         else:
             KvSpan.mask(self, acc, tScS, n, first_row)
 
     @cute.jit
     def mask_if_needed(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
-            mask_topk_tile(acc, tScS, self.idx_row, n * self.tile_n, self.count, self.k)
+            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k)
         else:
             KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
 

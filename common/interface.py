@@ -27,27 +27,23 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
                            has_compressed: bool = False, has_topk: bool = False, **_):
-    """CPU arguments to compile an attention kernel against (kernels are shape-dynamic), for the
-    kernel options given: K = V (one tensor as K and V) and the trailing (seqused_k,
-    window_left, window_right) arguments of stage D1's kernel and those built on it (``plain``:
-    a kernel without them, stages B and C)."""
-    import cutlass
-    from cutlass.cute.runtime import make_fake_stream
-
+    """CPU arguments of an attention kernel for the kernel options given, as a call passes them
+    (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
+    tensor as K and V) and the trailing MASK_ARGS of stage D1's kernel and those built on it
+    (``plain``: a kernel without them, stages B and C)."""
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype)
     k = torch.empty(2, seqlen_k, 2, head_dim, dtype=dtype)
     lse = torch.empty(2, 4, 300, dtype=torch.float32)
     v = k if kv_shared else k.clone()
-    args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(q.clone()), jit.as_cute(lse),
-            cutlass.Float32(0.125 * LOG2E), make_fake_stream()]
+    args = [q, k, v, q.clone(), lse, 0.125 * LOG2E, jit.STREAM]
     if not plain:  # stage D1's kernel on: MASK_ARGS (optional tensors may be None, integers are always given)
-        cu = jit.as_cute(torch.zeros(3, dtype=torch.int32)) if varlen else None
-        args += [jit.as_cute(torch.empty(2, dtype=torch.int32)) if seqused_k else None,
-                 cutlass.Int32(127 if has_left else 0), cutlass.Int32(0), cu, cu, cutlass.Int32(300 if varlen else 0),
-                 jit.as_cute(torch.zeros(4, dtype=torch.float32)) if has_sink else None,
-                 jit.as_cute(torch.empty(2, 50, 2, head_dim, dtype=dtype)) if has_compressed else None,
-                 cutlass.Int32(4 if has_compressed else 0),
-                 jit.as_cute(torch.zeros(2, 300, 160, dtype=torch.int32)) if has_topk else None]
+        cu = torch.zeros(3, dtype=torch.int32) if varlen else None
+        args += [torch.empty(2, dtype=torch.int32) if seqused_k else None,
+                 127 if has_left else 0, 0, cu, cu, 300 if varlen else 0,
+                 torch.zeros(4, dtype=torch.float32) if has_sink else None,
+                 torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
+                 4 if has_compressed else 0,
+                 torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0]
     return args
 
 
@@ -64,8 +60,6 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     adds the options that depend on the validated inputs and the architecture (e.g. D2's group);
     ``extra_args()``, when given, returns the kernel's arguments after the stream (D3's
     seqused_k, D4's window bounds), called after validation."""
-    import cutlass
-
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
     scale = check_scale(softmax_scale, q.shape[3])
     b, sq, h, d = q.shape
@@ -84,11 +78,10 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
-    args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(v), jit.as_cute(o), jit.as_cute(lse),
-            cutlass.Float32(scale * LOG2E), jit.current_stream()]
+    args = [q, k, v, o, lse, float(scale * LOG2E), jit.STREAM]
     if extra_args is not None:
         args += extra_args()
-    jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args, options)(*args)
+    jit.launch(stage_id, kernels, arch, q.dtype, d, args, options)
     return o, lse
 
 
@@ -114,22 +107,20 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
 
 #: the trailing arguments of stage D1's kernel (after the stream), which later stages use:
 #: seqused_k (D3), window_left, window_right (D4), cu_seqlens_q, cu_seqlens_k, max_seqlen_q (D3
-#: varlen), learnable_sink (D5), compressed_kv, compress_ratio, topk_indices (E). Unused tensors go as None, unused
-#: integers as 0: the kernel compiles them out, and an exported C signature (common/kernel_cache.py)
+#: varlen), learnable_sink (D5), compressed_kv, compress_ratio, topk_indices, kv_start (E). Unused tensors
+#: go as None, unused integers as 0: the kernel compiles them out, and an exported C signature
+#: (common/kernel_cache.py)
 #: has no optional integers.
 MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-             "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices")
+             "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices", "kv_start")
 
 
 def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None):
-    """MASK_ARGS as kernel arguments."""
-    import cutlass
-
-    t = lambda x: None if x is None else jit.as_cute(x)  # noqa: E731
-    return [t(seqused_k), cutlass.Int32(0 if left is None else left), cutlass.Int32(0 if right is None else right),
-            t(cu_seqlens_q), t(cu_seqlens_k), cutlass.Int32(max_seqlen_q), t(learnable_sink), t(compressed_kv),
-            cutlass.Int32(0 if compress_ratio is None else compress_ratio), t(topk_indices)]
+              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=0):
+    """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot)."""
+    return [seqused_k, int(0 if left is None else left), int(0 if right is None else right), cu_seqlens_q,
+            cu_seqlens_k, int(max_seqlen_q), learnable_sink, compressed_kv,
+            int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start)]
 
 
 def no_mask_args():
@@ -141,7 +132,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
-                             index_mode=False):
+                             kv_start=0, index_mode=False):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -149,14 +140,15 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     (D3: ``cu_seqlens_q`` / ``cu_seqlens_k``, q, k, v [total, heads, head_dim], o like q, lse
     [heads, total_q]) and the attention sink (D5: ``learnable_sink`` [heads] fp32) and the
     compressed entries (E: ``compressed_kv`` [batch, entries, kv_heads, head_dim], K = V, visible
-    by ``compress_ratio``, all of them or the ``topk_indices`` [batch, seqlen_q, k] each token lists;
-    common/compressed.py). An option
+    by ``compress_ratio``, all of them or the ``topk_indices`` [batch, seqlen_q, k] each token lists,
+    positions counted from ``kv_start``, the absolute position of raw key 0; common/compressed.py). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     from dsv4_attention.common.pack_heads import pack_group
     from dsv4_attention.common.validation import (
         check_compressed,
         check_cu_seqlens,
+        check_kv_start,
         check_seqused_k,
         check_sink,
         check_topk,
@@ -186,6 +178,9 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         options["has_sink"] = True
 
     def prepare(arch, q, k):
+        check_kv_start(kv_start, k.shape[1])
+        if kv_start and varlen:
+            raise ValueError("kv_start with cu_seqlens is not supported: pass batched tensors")
         if seqused_k is not None:
             check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
         if learnable_sink is not None:
@@ -214,7 +209,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                                  options=options, options_for=prepare,
                                  extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
                                                               compressed_kv=entries[0], compress_ratio=entries[1],
-                                                              topk_indices=entries[2]))
+                                                              topk_indices=entries[2], kv_start=kv_start))
     # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
     # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
     for name, t in (("q", q), ("k", k), ("v", v)):

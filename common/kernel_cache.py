@@ -5,8 +5,10 @@ CuTeDSL's own file cache (``CUTE_DSL_CACHE_DIR``) serves ``@cute.jit`` functions
 directly; the ``cute.compile`` results this library launches never reach it (its directory
 stays empty), so a fresh process recompiled every configuration (1.4-2.1 s on the H100).
 Here each compiled kernel is exported with the DSL's AOT path (``export_to_c``: an object file
-holding the host launcher and the cubin) and a later process loads it
-(``cutlass.cute.runtime.load_module``: milliseconds) instead of compiling.
+holding the host launcher, TVM-FFI calling convention, and the cubin) and a later process loads
+it (``cutlass.cute.runtime.load_module(path, enable_tvm_ffi=True)``: milliseconds) instead of
+compiling. An entry of the older convention fails to load and is recompiled (and its name
+differs anyway: the sources changed).
 
 The entry's name is a hash of everything the binary depends on:
 
@@ -79,20 +81,27 @@ def entry_name(key) -> str:
     return "dsv4_" + hashlib.sha256(f"{key!r}\n{source_digest()}".encode()).hexdigest()[:40]
 
 
+def raw_function(compiled):
+    """The TVM-FFI function of a ``cute.compile`` result: called positionally, without the DSL's
+    Python keyword-argument wrapper in front of it (what a loaded entry is already)."""
+    return compiled.__tvm_ffi_object__()
+
+
 def load_or_compile(key, compile_fn):
-    """The compiled function for ``key`` (a repr-stable tuple): loaded from the directory if an
-    entry of this key and these sources exists, else ``compile_fn()``, then exported there."""
+    """The compiled function for ``key`` (a repr-stable tuple), as a TVM-FFI function taking the
+    kernel's arguments positionally: loaded from the directory if an entry of this key and these
+    sources exists, else ``compile_fn()`` (a ``jit.compile_kernel`` result), then exported there."""
     d = directory()
     if d is None:
         stats["compiled"] += 1
-        return compile_fn()
+        return raw_function(compile_fn())
     name = entry_name(key)
     path = d / f"{name}.o"
     if path.is_file():
         try:
             from cutlass.cute.runtime import load_module
 
-            fn = load_module(str(path))[name]
+            fn = load_module(str(path), enable_tvm_ffi=True)[name]
             stats["loaded"] += 1
             return fn
         except Exception as e:  # noqa: BLE001 - a damaged entry is recompiled, never fatal
@@ -103,14 +112,14 @@ def load_or_compile(key, compile_fn):
     try:
         d.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=d, prefix=".tmp-") as tmp:
-            fn.export_to_c(tmp, name)
+            fn.export_to_c(os.path.join(tmp, f"{name}.o"), name)  # TVM-FFI export: the object file's path
             os.replace(os.path.join(tmp, f"{name}.o"), path)
         stats["written"] += 1
     except Exception as e:  # noqa: BLE001 - a read-only disk or a kernel the DSL cannot export costs a
         # recompile in the next process, nothing more
         print(f"dsv4_attention: could not write cache entry {path}: {type(e).__name__}: {str(e)[-300:]}",
               file=sys.stderr)
-    return fn
+    return raw_function(fn)
 
 
 def entries(d: pathlib.Path | None = None) -> list[pathlib.Path]:

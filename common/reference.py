@@ -78,13 +78,14 @@ def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, ca
 
 def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
                     softmax_scale=None, seqused_k=None, causal: bool = False, window_size=(None, None),
-                    learnable_sink=None, positions=None):
+                    learnable_sink=None, positions=None, kv_start: int = 0):
     """Stage E: one softmax over the window's keys and the compressed entries, float64.
 
     Query i of batch b sits at t' = positions[i] (default i + n_k - seqlen_q, n_k = seqused_k[b] or
     seqlen_k: D4's bottom-right alignment) and sees raw key j iff j < n_k and
     t' - left <= j <= t' + right (bounds that are not None; causal: right = 0), and compressed
-    entry j iff j < floor((t' + 1) / compress_ratio) (t' + 1 > 0): all of them, or with
+    entry j iff j < floor((kv_start + t' + 1) / compress_ratio) (> 0: ``kv_start`` is the absolute
+    position of raw key 0, when kv holds only a sequence's last rows): all of them, or with
     ``topk_indices`` [b, seqlen_q, k] only the listed ones (-1: none; a listed entry not yet
     visible stays hidden). ``v`` None: K = V. Returns (O [b, sq, h, d], LSE [b, h, sq]) as
     ``attention``, the sink applied to O only."""
@@ -111,7 +112,7 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
     parts = [(s, "bhij,bjhd->bihd", _expand_kv(v, h).to(torch.float64))]
     if compressed_kv is not None:
         nc = compressed_kv.shape[1]
-        count = torch.clamp(t3 + 1, min=0) // compress_ratio  # [b, sq, 1]
+        count = torch.clamp(t3 + kv_start + 1, min=0) // compress_ratio  # [b, sq, 1]
         if topk_indices is None:
             jc = torch.arange(nc, device=dev)[None, None, :]
             s_c = qk_scores(q, compressed_kv, softmax_scale).masked_fill(~(jc < count)[:, None], -math.inf)

@@ -68,6 +68,37 @@ def gpu_file_name(device_name: str) -> str:
     return "".join(c for c in low.replace("nvidia", "") if c.isalnum())[:16] or "gpu"
 
 
+def add_shard(old: dict | None, new: dict, shard: tuple, summary: dict) -> None:
+    """Put part ``shard`` = (K, N) of a sharded test session into ``new``: its ``shards`` are the
+    parts of the same code and the same N already in ``old`` plus this one (a part that ran again
+    replaces its earlier run), and its ``tests`` and ``errors`` are their sums and worst cases."""
+    k, n = shard
+    same = old and old.get("sources") == new.get("sources") and old.get("shard_count") == n
+    shards = dict(old.get("shards", {})) if same else {}
+    shards[f"{k}/{n}"] = summary
+    tests, errors = {}, {}
+    for part in shards.values():
+        for st, per_arch in part["tests"].items():
+            for arch, c in per_arch.items():
+                t = tests.setdefault(st, {}).setdefault(arch, {})
+                for outcome, count in c.items():
+                    t[outcome] = t.get(outcome, 0) + count
+        for st, per_arch in part["errors"].items():
+            for arch, e in per_arch.items():
+                w = errors.setdefault(st, {}).setdefault(arch, {"rel_fro": 0.0, "row_rel": 0.0, "max_abs": 0.0,
+                                                                 "cases": 0})
+                w["cases"] += e.get("cases", 0)
+                for key in ("rel_fro", "row_rel", "max_abs"):
+                    w[key] = max(w[key], e.get(key, 0.0))
+    new.update(shards=shards, shard_count=n, tests=tests, errors=errors)
+
+
+def missing_shards(rep: dict) -> list:
+    """The parts of a sharded test session that the report lacks ([] when it is whole)."""
+    n = rep.get("shard_count")
+    return [f"{k}/{n}" for k in range(1, n + 1) if f"{k}/{n}" not in rep.get("shards", {})] if n else []
+
+
 def merge(old: dict | None, new: dict) -> dict:
     """Merge a per-stage report into an existing one of the same code.
 
@@ -77,8 +108,9 @@ def merge(old: dict | None, new: dict) -> dict:
     if not old or old.get("sources") != new.get("sources"):
         return new
     out = dict(old)
-    for key in ("device", "date", "sources", "versions"):
-        out[key] = new.get(key, old.get(key))
+    for key in ("device", "date", "sources", "versions", "shards", "shard_count"):
+        if key in new:
+            out[key] = new[key]
     for key in ("tests", "errors"):
         merged = dict(old.get(key, {}))
         merged.update(new.get(key, {}))

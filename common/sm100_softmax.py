@@ -123,7 +123,8 @@ def visible_columns(keys, first_key):
 def visible_entries(span, packed_row):
     """Stage E: the compressed entries [0, count) packed row ``packed_row`` of ``span``'s Q tile (a
     ``FusedSpan``) sees: ``compressed_count`` of its token. Per row, once per CTA, as ``visible_keys``."""
-    return compressed_count(packed_row // span.group, span.seqlen_q, span.seqlen_k, span.ratio, span.n_compressed)
+    return compressed_count(packed_row // span.group, span.seqlen_q, span.seqlen_k, span.ratio, span.n_compressed,
+                            span.kv_start)
 
 
 @cute.jit

@@ -17,7 +17,10 @@ phase = (t // slots) & 1):
                  producer thread (its cp.async rows' cp.async.mbarrier.arrive.noinc), or for a
                  TMA tile one expect_tx and one arrive of count 128.
     empty[s]     arrive count = consumer warps: lane 0 of each consumer warp arrives once
-                 the wgmma that read the slot last (PV) has completed. The producer waits
+                 the wgmma that read the slot last (PV) has completed. Where the threads also
+                 read the slot's SMEM themselves (stage E's staged top-k lists), every consumer
+                 thread arrives (count = consumer threads): an arrive releases its own thread's
+                 reads only. The producer waits
                  (phase ^ 1: the first use of every slot passes at once) before loading.
 
 Chunk c of slot s is the (tile_n, 64) block at columns 64 c of the slot's (tile_n, d) tile
@@ -38,8 +41,9 @@ CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 
 class KvChunkRing:
     def __init__(self, full: cute.Pointer, empty: cute.Pointer, slots: int, chunks: int, chunk_bytes: int,
-                 consumer_warps: int, full_arrivals: int = 1):
+                 consumer_warps: int, full_arrivals: int = 1, lanes_read_slot: bool = False):
         self.full = full
+        self.lanes_read_slot = lanes_read_slot
         self.full_arrivals = full_arrivals
         self.empty = empty
         self.slots = slots
@@ -70,7 +74,7 @@ class KvChunkRing:
         for i in cutlass.range_constexpr(self.slots * self.chunks):
             cute.arch.mbarrier_init(self.full + i, self.full_arrivals)
         for s in cutlass.range_constexpr(self.slots):
-            cute.arch.mbarrier_init(self.empty + s, self.consumer_warps)
+            cute.arch.mbarrier_init(self.empty + s, self.consumer_warps * (32 if self.lanes_read_slot else 1))
 
     @cute.jit
     def load(self, t: cutlass.Int32, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor,
@@ -93,8 +97,13 @@ class KvChunkRing:
 
     @cute.jit
     def release(self, t: cutlass.Int32):
-        """Consumer (every thread of every consumer warp calls it): tile use t's slot is free."""
-        if cute.arch.lane_idx() == 0:
+        """Consumer (every thread of every consumer warp calls it): tile use t's slot is free.
+        ``lanes_read_slot`` (stage E top-k: the masks read the slot's staged list with ordinary
+        loads): every thread arrives, since an arrive releases only its own thread's reads (the
+        PTX memory model; racecheck flags a lane-0 release, with or without a warp sync)."""
+        if cutlass.const_expr(self.lanes_read_slot):
+            cute.arch.mbarrier_arrive(self.empty + (t % self.slots))
+        elif cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(self.empty + (t % self.slots))
 
     @cute.jit

@@ -121,7 +121,7 @@ def attention_inputs(b, sq, sk, h, hk, d, dtype, *, kv_shared=False, magnitude=1
 #: forward options that change which keys a row sees; the reference takes them too
 MASK_OPTIONS = ("seqused_k", "causal", "window_size", "learnable_sink")
 #: stage E's compressed entries: with them the reference is ``reference.fused_attention``
-COMPRESSED_OPTIONS = ("compressed_kv", "compress_ratio", "topk_indices")
+COMPRESSED_OPTIONS = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start")
 
 
 def reference_for(q, k, v, options: dict):

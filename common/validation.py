@@ -102,6 +102,13 @@ def check_qkv(q, k, v, head_dims, max_seqlen_k: int | None = None, too_long: str
         raise ValueError(f"seqlen_k must be at most {max_seqlen_k} for this stage; got {k.shape[1]}{too_long}")
 
 
+def value_range(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor: one reduction and one device-to-host copy (the one
+    sync a value check costs)."""
+    lo, hi = torch.aminmax(t)
+    return tuple(int(x) for x in torch.stack([lo, hi]).tolist())
+
+
 def check_seqused_k(seqused_k, batch: int, seqlen_k: int, device) -> None:
     """[batch] int32 on the inputs' device, every value in [0, seqlen_k] (reads the values: one
     device sync, before any launch; skipped while a CUDA graph is captured, where the kernel's
@@ -118,7 +125,7 @@ def check_seqused_k(seqused_k, batch: int, seqlen_k: int, device) -> None:
         raise ValueError(f"seqused_k must be contiguous; got stride {seqused_k.stride()}")
     if seqused_k.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # reading the values would synchronize inside a CUDA graph capture; the kernel clamps them
-    lo, hi = int(seqused_k.min()), int(seqused_k.max())
+    lo, hi = value_range(seqused_k)
     if lo < 0 or hi > seqlen_k:
         raise ValueError(f"seqused_k values must lie in [0, seqlen_k = {seqlen_k}]; got min {lo}, max {hi}")
 
@@ -155,9 +162,9 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, dev
                              "read there)")
         return max_seqlen_q, max_seqlen_k
     found = []
-    for name, cu, total, given in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
-                                   ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
-        c = cu.cpu()
+    both = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu()  # one copy, one sync for both offsets
+    for name, c, total, given in (("cu_seqlens_q", both[0], total_q, max_seqlen_q),
+                                  ("cu_seqlens_k", both[1], total_k, max_seqlen_k)):
         lengths = c[1:] - c[:-1]
         if int(c[0]) != 0:
             raise ValueError(f"{name}[0] must be 0; got {int(c[0])}")
@@ -205,6 +212,13 @@ def check_compressed(compressed_kv, compress_ratio, k, v) -> None:
         raise ValueError("compressed entries are K = V rows: pass the window's keys as one tensor (k is v)")
 
 
+def check_kv_start(kv_start, seqlen_k: int) -> None:
+    """``kv_start``: the absolute position of raw key 0 (the keys passed are the last rows of a longer
+    sequence: a window cache, a context-parallel shard), an int >= 0 with kv_start + seqlen_k < 2^31."""
+    if isinstance(kv_start, bool) or not isinstance(kv_start, int) or kv_start < 0 or kv_start + seqlen_k >= 2**31:
+        raise ValueError(f"kv_start must be an int >= 0 with kv_start + seqlen_k < 2^31; got {kv_start!r}")
+
+
 def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str) -> None:
     """Top-k compressed entries: [batch, seqlen_q, k] int32 on q's device, the last dim contiguous,
     every value -1 or an entry index in [0, n_compressed) (reads the values: one device sync, skipped
@@ -227,7 +241,7 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
                          f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile")
     if topk_indices.numel() == 0 or (topk_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    lo, hi = int(topk_indices.min()), int(topk_indices.max())
+    lo, hi = value_range(topk_indices)
     if lo < -1 or hi >= n_compressed:
         raise ValueError(f"topk_indices values must be -1 or in [0, {n_compressed}) (compressed_kv's entries); "
                          f"got min {lo}, max {hi}")

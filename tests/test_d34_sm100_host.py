@@ -36,20 +36,19 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 import torch
-from cutlass import Float32, Int32
+from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.kv_span import KvSpan, tile_needs_mask, tile_tokens
 from dsv4_attention.common.layout_proof import first_mismatches
 from dsv4_attention.common.sm100_softmax import visible_columns, visible_keys
-from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
+from dsv4_attention.common.tmem import QK_TILE_M
 from dsv4_attention.stages.d4_causal_window.sm100 import FlashAttentionD4Sm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.proof]
 
 BF16 = cutlass.BFloat16
 #: visits a host run records (every case here visits fewer)
-MAX_VISITS = 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -66,48 +65,6 @@ def make_kernel(stage: str, head_dim: int, cls=None, **options):
     return cls(jit.cutlass_dtype(torch.bfloat16), head_dim, **options)
 
 
-def build_mask_runner(kernel):
-    """A host function (compiled for sm100, run on the CPU) that replays the softmax warps' masking
-    of one Q tile for all 128 threads, with the kernel's own builders and methods."""
-    from cutlass.cute.runtime import from_dlpack
-
-    from dsv4_attention.common.arch import GPU_ARCH, target_arch
-    from dsv4_attention.common.tmem import placeholder_tmem_base
-
-    tile_n = kernel.plan.tile_n
-
-    @cute.jit
-    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
-             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32):
-        # as the kernel: request 0's keys, the Q tile's span, then per softmax thread its partition
-        span = kernel.kv_span(m_blk, rows, kernel.kv_length(seqused, 0, seqlen_k), left, right)
-        info[0] = span.origin
-        info[1] = span.n_tiles
-        for t in cutlass.range(EPI_THREADS, unroll=1):
-            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
-            keys = kernel.row_keys(span, m_blk, tTR_cS)
-            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(s_row)):
-                coords[t, i, 0] = tTR_cS[i][0]
-                coords[t, i, 1] = tTR_cS[i][1]
-            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                s_row.fill(0.0)
-                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
-                for i in cutlass.range_constexpr(cute.size(s_row)):
-                    out[t, it, i] = s_row[i]
-
-    bufs = run_buffers(tile_n)
-    with target_arch("sm100"):
-        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], Int32(0), Int32(1), Int32(1), Int32(0), Int32(0),
-                          options=f"--gpu-arch={GPU_ARCH['sm100']}")
-    return fn
-
-
-def run_buffers(tile_n: int):
-    return (torch.zeros(EPI_THREADS, MAX_VISITS, tile_n), torch.zeros(EPI_THREADS, tile_n, 2, dtype=torch.int32),
-            torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-
-
 @functools.cache
 def mask_runner(name: str):
     kernel = KERNELS[name]()
@@ -117,15 +74,11 @@ def mask_runner(name: str):
 def kept_pairs(name: str, m_blk: int, seqlen_q: int, seqlen_k: int, seqused, left, right):
     """{(packed row, key): times kept} over the real rows of Q tile m_blk, every visit and every
     thread / value, as the kernel's masks leave them; and (origin, n_tiles)."""
-    from cutlass.cute.runtime import from_dlpack
 
     kernel, fn = mask_runner(name)
     g, tile_n = kernel.pack_group, kernel.plan.tile_n
-    out, coords, info, su = run_buffers(tile_n)
-    su[0] = seqlen_k if seqused is None else seqused
-    fn(*[from_dlpack(b) for b in (out, coords, info, su)], Int32(m_blk), Int32(seqlen_q * g), Int32(seqlen_k),
-       Int32(0 if left is None else left), Int32(0 if right is None else right))
-    origin, n_tiles = info.tolist()
+    out, coords, (origin, n_tiles, _) = replay(fn, tile_n, m_blk, seqlen_q * g, seqlen_k,
+                                               seqlen_k if seqused is None else seqused, left, right)
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles)
     kept = {}
     for it in range(n_tiles):

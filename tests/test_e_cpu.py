@@ -176,3 +176,30 @@ CASES = [
 @pytest.mark.parametrize("head_dim,options", CASES, ids=[f"hd{d}-{o}" for d, o in CASES])
 def test_sm90_compiles_within_budget(head_dim, options):
     assert_within_budget("e", "sm90", "bfloat16", head_dim, options=options)
+
+
+def test_kv_start_places_a_window_cache_in_its_sequence():
+    """The reference with kv_start: the last tokens of a sequence over only its last rows (a window
+    cache, raw key 0 at kv_start) equal the same tokens over the whole sequence; without kv_start
+    (the negative control) the compressed visibility is wrong."""
+    from dsv4_attention.common.reference import fused_attention
+
+    g = torch.Generator().manual_seed(3)
+    T, H, d, r, tail, rows = 600, 4, 32, 4, 3, 130
+    q = torch.randn(1, T, H, d, generator=g, dtype=torch.float64)
+    kv = torch.randn(1, T, 1, d, generator=g, dtype=torch.float64)
+    ckv = torch.randn(1, T // r, 1, d, generator=g, dtype=torch.float64)
+    kw = {"compressed_kv": ckv, "compress_ratio": r, "causal": True, "window_size": (127, 0)}
+    o_all, lse_all = fused_attention(q[:, T - tail:], kv, **kw)
+    o_cache, lse_cache = fused_attention(q[:, T - tail:], kv[:, T - rows:], kv_start=T - rows, **kw)
+    assert torch.allclose(o_all, o_cache, atol=1e-12) and torch.allclose(lse_all, lse_cache, atol=1e-12)
+    o_wrong, _ = fused_attention(q[:, T - tail:], kv[:, T - rows:], **kw)
+    assert not torch.allclose(o_all, o_wrong, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, 2**31])
+def test_kv_start_checks(bad):
+    from dsv4_attention.common.validation import check_kv_start
+
+    with pytest.raises(ValueError, match="kv_start"):
+        check_kv_start(bad, 10)

@@ -112,6 +112,23 @@ def test_equals_the_spec_index_form(arch, record_errors):
     assert (lse[0].double().transpose(0, 1) - lse_ref).abs().max().item() <= LSE_ABS
 
 
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("topk", [False, True], ids=["hca", "csa"])
+def test_window_cache_with_kv_start(arch, topk, record_errors):
+    """DeepSeek-V4 decode on a window cache: the raw keys are the last 200 rows of a 5000-token
+    sequence (``kv_start`` = 4800), the compressed entries cover the whole sequence, so a token's
+    visible entries follow its absolute position; some entries past every count are 100-valued."""
+    sq, sk, start, heads = 2, 200, 4800, 128
+    q, kv, _, g = attention_inputs(1, sq, sk, heads, 1, 512, torch.bfloat16, kv_shared=True)
+    visible_max = (start + sk) // 4
+    ckv = entries(1, visible_max + 40, 512, g, poison_from=visible_max)
+    options = {"compressed_kv": ckv, "compress_ratio": 4, "kv_start": start, "causal": True,
+               "window_size": (127, 0), "learnable_sink": sink(heads, g)}
+    if topk:
+        options["topk_indices"] = topk_lists(1, sq, 300, visible_max + 40, g)
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options=options)
+
+
 def topk_lists(batch, seqlen_q, k, n_c, g, pad=0.2):
     """[batch, seqlen_q, k] int32 distinct entries per token (a random permutation's head, so no
     duplicates), some not yet visible, a share -1."""

@@ -33,20 +33,19 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 import torch
-from cutlass import Float32, Int32
+from cutlass import Int32
+from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers, thread_replayer
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import compressed_visible
 from dsv4_attention.common.layout_proof import first_mismatches
 from dsv4_attention.common.sm100_softmax import visible_columns
-from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
+from dsv4_attention.common.tmem import QK_TILE_M
 from dsv4_attention.stages.e_fused.sm100 import FlashAttentionESm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_e]
 
 BF16 = cutlass.BFloat16
-#: visits a host run records (every case here visits fewer)
-MAX_VISITS = 16
 
 
 def make_kernel(head_dim: int, cls=FlashAttentionESm100, **options):
@@ -59,45 +58,6 @@ def make_kernel(head_dim: int, cls=FlashAttentionESm100, **options):
 # 1. the masks, run on the host
 
 
-def build_mask_runner(kernel):
-    """A host function (compiled for sm100, run on the CPU) that replays the softmax warps' masking
-    of one Q tile for all 128 threads, with the kernel's own builders and methods."""
-    from cutlass.cute.runtime import from_dlpack
-
-    from dsv4_attention.common.arch import GPU_ARCH, target_arch
-    from dsv4_attention.common.tmem import placeholder_tmem_base
-
-    @cute.jit
-    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
-             rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32):
-        span = kernel.kv_span(m_blk, rows, kernel.kv_length(seqused, 0, seqlen_k), left, right, ratio, n_compressed)
-        info[0] = span.origin
-        info[1] = span.n_tiles
-        info[2] = span.n_cmp
-        for t in cutlass.range(EPI_THREADS, unroll=1):
-            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
-            keys = kernel.row_keys(span, m_blk, tTR_cS)
-            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(s_row)):
-                coords[t, i, 0] = tTR_cS[i][0]
-                coords[t, i, 1] = tTR_cS[i][1]
-            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                s_row.fill(0.0)
-                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
-                for i in cutlass.range_constexpr(cute.size(s_row)):
-                    out[t, it, i] = s_row[i]
-
-    bufs = run_buffers(kernel.plan.tile_n)
-    with target_arch("sm100"):
-        return cute.compile(host, *[from_dlpack(b) for b in bufs], *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1)],
-                            options=f"--gpu-arch={GPU_ARCH['sm100']}")
-
-
-def run_buffers(tile_n: int):
-    return (torch.zeros(EPI_THREADS, MAX_VISITS, tile_n), torch.zeros(EPI_THREADS, tile_n, 2, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-
-
 @functools.cache
 def mask_runner(name: str):
     kernel = KERNELS[name]()
@@ -108,18 +68,13 @@ def kept_triples(name: str, m_blk: int, case: dict):
     """{(packed row, source, key): times kept} over the real rows of Q tile m_blk, every visit and
     every thread / value, as the kernel's masks leave them (source 'c': compressed entry, 'w': raw
     key); and (origin, n_tiles, n_cmp)."""
-    from cutlass.cute.runtime import from_dlpack
 
     kernel, fn = mask_runner(name)
     g, tile_n = kernel.pack_group, kernel.plan.tile_n
     sq, sk = case["seqlen_q"], case["seqlen_k"]
     left, right = case.get("window", (None, None))
-    out, coords, info, su = run_buffers(tile_n)
-    su[0] = sk
-    fn(*[from_dlpack(b) for b in (out, coords, info, su)],
-       *[Int32(x) for x in (m_blk, sq * g, sk, 0 if left is None else left, 0 if right is None else right,
-                            case["ratio"], case["entries"])])
-    origin, n_tiles, n_cmp = info.tolist()
+    out, coords, (origin, n_tiles, n_cmp) = replay(fn, tile_n, m_blk, sq * g, sk, sk, left, right, case["ratio"],
+                                                   case["entries"], case.get("kv_start", 0))
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
     kept = {}
     for it in range(n_tiles):
@@ -138,14 +93,17 @@ def kept_triples(name: str, m_blk: int, case: dict):
 
 
 def visible_triples(m_blk: int, group: int, case: dict, left, right) -> set:
-    """The plain formulas' triples for the real rows of Q tile m_blk."""
+    """The plain formulas' triples for the real rows of Q tile m_blk (``kv_start``: the absolute
+    position of raw key 0, default 0; ``judge_kv_start`` overrides it for negative controls)."""
     sq, sk, ratio, entries = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"]
+    start = case.get("judge_kv_start", case.get("kv_start", 0))
     want = set()
     for r in range(m_blk * QK_TILE_M, (m_blk + 1) * QK_TILE_M):
         token = r // group
         if token < sq:
             want |= {(r, "w", j) for j in range(sk) if kv_span.visible(token, j, sq, sk, left, right)}
-            want |= {(r, "c", j) for j in range(entries) if compressed_visible(token, j, sq, sk, ratio, entries)}
+            want |= {(r, "c", j) for j in range(entries)
+                     if compressed_visible(token, j, sq, sk, ratio, entries, start)}
     return want
 
 
@@ -218,11 +176,14 @@ MASK_CASES = {  # name -> cases; m_blocks: the Q tiles replayed
         dict(seqlen_q=300, seqlen_k=200, window=W127, ratio=4, entries=50, m_blocks=[0, 100, 102, 103, 299]),
         dict(seqlen_q=4, seqlen_k=1024, window=W127, ratio=128, entries=8, m_blocks=[0, 3]),  # t' + 1 = 1024
         dict(seqlen_q=3, seqlen_k=1023, window=W127, ratio=128, entries=5, m_blocks=[0, 1, 2]),  # 5 < 7, 7 | 1024
+        # a window cache: the raw keys are the last 130 rows of a 2130-token sequence
+        dict(seqlen_q=2, seqlen_k=130, window=W127, ratio=4, entries=600, kv_start=2000, m_blocks=[0, 1]),
     ],
     "e-hd512-g1": [  # 128 tokens per tile: counts grow along the tile, windows cut 64-key tiles
         dict(seqlen_q=300, seqlen_k=300, window=W127, ratio=4, entries=100, m_blocks=[0, 1, 2]),
         dict(seqlen_q=200, seqlen_k=1000, window=W127, ratio=128, entries=10, m_blocks=[0, 1]),
         dict(seqlen_q=300, seqlen_k=100, window=W127, ratio=4, entries=30, m_blocks=[0, 1, 2]),  # tokens < 200 empty
+        dict(seqlen_q=200, seqlen_k=330, window=W127, ratio=128, entries=12, kv_start=1000, m_blocks=[0, 1]),
     ],
     "e-hd256-g64": [  # two tokens per tile, 128-key tiles
         dict(seqlen_q=10, seqlen_k=500, window=W127, ratio=4, entries=200, m_blocks=[0, 4]),
@@ -259,6 +220,15 @@ def test_masks_keep_exactly_the_visible_triples(name, case):
 ])  # fmt: skip
 def test_mask_checker_rejects_wrong_masks(name, case):
     assert mask_failures(name, case) != []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_mask_checker_rejects_a_kv_start_the_kernel_did_not_get():
+    """Negative control: the window cache case judged as if raw key 0 were at position 0."""
+    case = dict(seqlen_q=2, seqlen_k=130, window=W127, ratio=4, entries=600, kv_start=2000, m_blocks=[0],
+                judge_kv_start=0)
+    assert mask_failures("e-hd512-g128", case) != []
 
 
 @pytest.mark.proof
@@ -397,9 +367,9 @@ def build_topk_mask_runner(kernel):
 
     from dsv4_attention.common.arch import GPU_ARCH, target_arch
     from dsv4_attention.common.jit import as_cute
-    from dsv4_attention.common.tmem import placeholder_tmem_base
 
     kernel.topk_words_on_host = True
+    replay_threads = thread_replayer(kernel)
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32,
@@ -408,18 +378,7 @@ def build_topk_mask_runner(kernel):
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
-        for t in cutlass.range(EPI_THREADS, unroll=1):
-            _, _, tTR_cS = kernel.s_row_load(placeholder_tmem_base(), t)
-            keys = kernel.row_keys(span, m_blk, tTR_cS)
-            s_row = cute.make_rmem_tensor(tTR_cS.shape, Float32)
-            for i in cutlass.range_constexpr(cute.size(s_row)):
-                coords[t, i, 0] = tTR_cS[i][0]
-                coords[t, i, 1] = tTR_cS[i][1]
-            for it in cutlass.range(cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
-                s_row.fill(0.0)
-                kernel.mask_s_row(s_row, tTR_cS, span, keys, it)
-                for i in cutlass.range_constexpr(cute.size(s_row)):
-                    out[t, it, i] = s_row[i]
+        replay_threads(span, m_blk, out, coords)
 
     bufs = run_buffers(kernel.plan.tile_n)[:3]
     with target_arch("sm100"):

@@ -60,7 +60,7 @@ def kernel_class(wrong: str | None):
         return FlashAttentionESm90
     if wrong == "floor_t":
         class FloorT(FlashAttentionESm90):
-            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk):
+            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0):
                 return FloorTSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
                                   self.has_left, self.has_right, ratio, n_c)
 
@@ -75,11 +75,12 @@ def kernel_class(wrong: str | None):
     raise ValueError(wrong)
 
 
-def mask_replayer(kernel):
+def mask_replayer(kernel, stage=None):
     """A DSL function (called while a host function is traced) replaying every consumer thread's
     masking of every visit of a span's tiles, as the kernel's consumer loop runs it (``mask_s``:
     first visit, then the rest), on accumulators of zeros: out[thread, visit, value] (0 kept, -inf
-    hidden) and coords[thread, value] = (row, column) in the tile."""
+    hidden) and coords[thread, value] = (row, column) in the tile. ``stage(span, it)``, when given,
+    runs before visit it: what the producer may have written to SMEM by then."""
 
     @cute.jit
     def replay(qk_mma: cute.TiledMma, span, first_row: Int32, out: cute.Tensor, coords: cute.Tensor):
@@ -92,11 +93,15 @@ def mask_replayer(kernel):
                 coords[tidx, i, 0] = tScS[i][0]
                 coords[tidx, i, 1] = tScS[i][1]
             acc.fill(0.0)
+            if cutlass.const_expr(stage is not None):
+                stage(span, 0)
             kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 out[tidx, 0, i] = acc[i]
             for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
                 acc.fill(0.0)
+                if cutlass.const_expr(stage is not None):
+                    stage(span, it)
                 kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     out[tidx, it, i] = acc[i]
@@ -127,9 +132,9 @@ def runner(name: str, window: bool, wrong: str | None = None):
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, m_block: Int32, rows: Int32,
-             seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32):
+             seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32, kv_start: Int32):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, None)
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, None, kv_start)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -139,12 +144,12 @@ def runner(name: str, window: bool, wrong: str | None = None):
     bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
             torch.zeros(3, dtype=torch.int32))
     with target_arch("sm90"):
-        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 7),
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 8),
                           options=f"--gpu-arch={GPU_ARCH['sm90']}")
     return kernel, fn, bufs
 
 
-def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c):
+def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_start=0):
     """{(packed row, source, key): times kept} over the real rows of Q tile m_block."""
     from cutlass.cute.runtime import from_dlpack
 
@@ -152,7 +157,7 @@ def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ra
     out, coords, info = (b.zero_() for b in bufs)
     g, tile_n = kernel.pack_group, kernel.tile_n
     fn(*[from_dlpack(b) for b in (out, coords, info)], *[Int32(x) for x in (m_block, seqlen_q * g, seqlen_k,
-                                                                          left, right, ratio, n_c)])
+                                                                          left, right, ratio, n_c, kv_start)])
     origin, n_tiles, n_cmp = info.tolist()
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
     assert bool(torch.all((out == 0) | (out == -float("inf")))), "a value neither kept nor -inf"
@@ -170,36 +175,38 @@ def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ra
     return kept, kernel
 
 
-def visible(kernel, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c) -> set:
+def visible(kernel, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_start=0) -> set:
     pairs = set()
     for r in range(m_block * kernel.tile_m, (m_block + 1) * kernel.tile_m):
         token = r // kernel.pack_group
         if token < seqlen_q:
             win = (j for j in range(seqlen_k) if kv_span.visible(token, j, seqlen_q, seqlen_k, left, right))
-            ent = (j for j in range(n_c) if compressed_visible(token, j, seqlen_q, seqlen_k, ratio, n_c))
+            ent = (j for j in range(n_c) if compressed_visible(token, j, seqlen_q, seqlen_k, ratio, n_c, kv_start))
             pairs |= {(r, "w", j) for j in win} | {(r, "c", j) for j in ent}
     return pairs
 
 
-PROBLEMS = [  # seqlen_q, seqlen_k, ratio, entries
+PROBLEMS = [  # seqlen_q, seqlen_k, ratio, entries[, kv_start: raw key 0's absolute position, default 0]
     (300, 300, 4, 80), (300, 300, 4, 40), (40, 700, 128, 8), (700, 200, 4, 60), (129, 1000, 128, 3), (5, 9, 4, 10),
+    (40, 150, 4, 300, 1000), (300, 300, 128, 9, 700),  # the last rows of a longer sequence (a window cache)
 ]
 
 
 def failures(name, window, wrong=None, problems=PROBLEMS, windows=((127, 0), (5, 3))) -> list:
     bad = []
     g = KERNELS[name][1]["pack_group"]
-    for sq, sk, ratio, n_c in problems:
+    for sq, sk, ratio, n_c, *start in problems:
+        kv_start = start[0] if start else 0
         for left, right in (windows if window else ((None, None),)):
             kernel = runner(name, window, wrong)[0]
             tiles = -(-sq * g // kernel.tile_m)
             for m in sorted({0, 1, tiles // 2, tiles - 1} & set(range(tiles))):
-                kept, kernel = kept_pairs(name, window, wrong, m, sq, sk, left or 0, right or 0, ratio, n_c)
-                want = visible(kernel, m, sq, sk, left, right, ratio, n_c)
+                kept, kernel = kept_pairs(name, window, wrong, m, sq, sk, left or 0, right or 0, ratio, n_c, kv_start)
+                want = visible(kernel, m, sq, sk, left, right, ratio, n_c, kv_start)
                 twice = [k for k, c in kept.items() if c != 1]
                 if set(kept) != want or twice:
                     extra, missing = sorted(set(kept) - want)[:3], sorted(want - set(kept))[:3]
-                    bad.append(f"{name} sq{sq} sk{sk} r{ratio} nc{n_c} window({left},{right}) m{m}: "
+                    bad.append(f"{name} sq{sq} sk{sk} r{ratio} nc{n_c} start{kv_start} window({left},{right}) m{m}: "
                                f"extra {extra} missing {missing} twice {twice[:3]}")
     return bad
 
@@ -215,14 +222,25 @@ def test_checker_rejects_wrong_masks(wrong):
     assert failures("rows-g1", True, wrong, problems=[(300, 300, 4, 80)], windows=((127, 0),)) != []
 
 
+def test_checker_rejects_a_span_that_ignores_kv_start():
+    """Negative control: the kernel's masks judged as if raw key 0 were at absolute position 0
+    (the kernel got kv_start = 1000, the formula 0) must fail."""
+    bad = []
+    for m in (0, 1):
+        kept, kernel = kept_pairs("rows-g1", True, None, m, 40, 150, 127, 0, 4, 300, 1000)
+        bad += [m] if set(kept) != visible(kernel, m, 40, 150, 127, 0, 4, 300, 0) else []
+    assert bad
+
+
 def test_span_visits_only_tiles_with_visible_entries():
     """n_cmp = ceil(count(t_hi) / T): the last compressed tile holds an entry the tile's last token
     sees, and a Q tile whose tokens see no entry visits none (pure arithmetic of the span)."""
-    for sq, sk, ratio, n_c in PROBLEMS:
+    for sq, sk, ratio, n_c, *start in PROBLEMS:
+        kv_start = start[0] if start else 0
         for m in range(-(-sq // 64)):
-            span = FusedSpan(m, sq, sk, 64, 64, 1, 127, 0, True, True, ratio, n_c)
+            span = FusedSpan(m, sq, sk, 64, 64, 1, 127, 0, True, True, ratio, n_c, kv_start)
             t_hi = min(m * 64 + 63, sq - 1)
-            count = min(n_c, max(t_hi + sk - sq + 1, 0) // ratio)
+            count = min(n_c, max(kv_start + t_hi + sk - sq + 1, 0) // ratio)
             assert span.n_cmp == -(-count // 64)
             assert span.n_tiles == span.n_cmp + span.window_tiles
 
@@ -284,18 +302,42 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
             span.count = span.n_compressed
             return span
 
+    class OneSlot(FlashAttentionESm90):
+        """Wrong on purpose: every tile's list staged in slot 0 (the producer, a tile ahead,
+        overwrites the list the consumers are masking with)."""
+
+        def kv_span(self, *args):
+            span = super().kv_span(*args)
+            span.list_slot = lambda n: 0
+            return span
+
     head_dim, options = TOPK_KERNELS[name]
-    cls = NoCount if wrong == "no_count" else FlashAttentionESm90
+    cls = {"no_count": NoCount, "one_slot": OneSlot}.get(wrong, FlashAttentionESm90)
     kernel = cls(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True, has_topk=True,
                  has_left=not index_mode, has_right=not index_mode, index_mode=index_mode, **options)
     threads = kernel.consumer_threads
-    replay = mask_replayer(kernel)
 
     @cute.jit
-    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, rows_out: cute.Tensor, idx: cute.Tensor,
-             m_block: Int32, rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32):
+    def stage_ahead(span, it):
+        """The producer's list staging (``list_copy_views``, a plain copy for its cp.async) as far
+        ahead as the ring lets it be at visit it: uses it .. it + slots - 1 (use it + slots waits
+        for the slot visit it still reads)."""
+        for u in cutlass.range(it, cutlass.min(it + kernel.slots, span.n_tiles), unroll=1):
+            n = span.n_tiles - 1 - u
+            if n < span.n_cmp:
+                for c in cutlass.range(kernel.tile_n, unroll=1):
+                    src, dst = kernel.list_copy_views(span, n, c)
+                    dst[0] = src[0]
+
+    replay = mask_replayer(kernel, stage_ahead)
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, rows_out: cute.Tensor, lists: cute.Tensor,
+             idx: cute.Tensor, m_block: Int32, rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32,
+             n_c: Int32, kv_start: Int32):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, idx)
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, idx, kv_start)
+        span.stage_lists(lists, kernel.slots)  # as the kernel does: the masks read the staged SMEM copy
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -307,12 +349,17 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
     vals = kernel.tile_m * kernel.tile_n // threads
     bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
             torch.zeros(3, dtype=torch.int32), torch.zeros(MAX_VISITS, kernel.tile_n, dtype=torch.int32),
-            torch.zeros(10, 7, dtype=torch.int32))
+            lists_buffer(kernel), torch.zeros(10, 7, dtype=torch.int32))
     with target_arch("sm90"):
         # the list's shape is dynamic, as the kernel receives it (jit.as_cute)
-        fn = cute.compile(host, *[from_dlpack(b) for b in bufs[:4]], jit.as_cute(bufs[4]), *([Int32(1)] * 7),
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs[:5]], jit.as_cute(bufs[5]), *([Int32(1)] * 8),
                           options=f"--gpu-arch={GPU_ARCH['sm90']}")
     return kernel, fn
+
+
+def lists_buffer(kernel):
+    """The staged lists' SMEM as the kernel lays it out, (tile_n, slots) int32 column-major, poisoned."""
+    return torch.full((kernel.slots, kernel.tile_n), -9, dtype=torch.int32).t()
 
 
 def topk_case(seed, seqlen_q, seqlen_k, ratio, n_c, k):
@@ -323,7 +370,8 @@ def topk_case(seed, seqlen_q, seqlen_k, ratio, n_c, k):
     return idx
 
 
-def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 80, 128), (5, 1000, 128, 9, 70)),
+def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 80, 128), (5, 1000, 128, 9, 70),
+                                              (7, 300, 4, 400, 128, 1000)),
                   index_mode=False, expect_index=None):
     """Every way "the masks keep exactly the visible listed entries (and the window), each once, and
     the producer gathers the listed row where visible, row 0 elsewhere" breaks. Index mode: the
@@ -338,7 +386,8 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
         index_mode = expect_index
     g, tile_n, tile_m = kernel.pack_group, kernel.tile_n, kernel.tile_m
     bad = []
-    for sq, sk, ratio, n_c, k in problems:
+    for sq, sk, ratio, n_c, k, *start in problems:
+        kv_start = start[0] if start else 0
         idx = topk_case(sq + k, sq, sk, ratio, n_c, k)
         tiles = sq * g // tile_m
         for m in sorted({0, 1, tiles // 2, tiles - 1}):
@@ -346,11 +395,11 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
             vals = tile_m * tile_n // threads
             out, coords = torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
             info, rows_out = torch.zeros(3, dtype=torch.int32), torch.full((MAX_VISITS, tile_n), -7, dtype=torch.int32)
-            fn(*[from_dlpack(b) for b in (out, coords, info, rows_out)], jit.as_cute(idx),
-               *[Int32(x) for x in (m, sq * g, sk, 127, 0, ratio, n_c)])
+            fn(*[from_dlpack(b) for b in (out, coords, info, rows_out, lists_buffer(kernel))], jit.as_cute(idx),
+               *[Int32(x) for x in (m, sq * g, sk, 127, 0, ratio, n_c, kv_start)])
             origin, n_tiles, n_cmp = info.tolist()
             token = m * tile_m // g
-            count = n_c if index_mode else compressed_count(token, sq, sk, ratio, n_c)
+            count = n_c if index_mode else compressed_count(token, sq, sk, ratio, n_c, kv_start)
             kept = {}
             for it in range(n_tiles):
                 n = n_tiles - 1 - it
@@ -392,6 +441,12 @@ def test_topk_kept_pairs_and_gathered_rows(name):
 
 def test_topk_checker_rejects_a_list_mask_without_the_count():
     assert topk_failures("split-g128", "no_count") != []
+
+
+def test_topk_checker_rejects_lists_staged_in_one_slot():
+    """The masks read each tile's list from the ring slot of its visit; staging every tile in one
+    slot lets the producer, a tile ahead, overwrite the list being masked with."""
+    assert topk_failures("split-g128", "one_slot") != []
 
 
 def test_topk_needs_whole_tiles_of_one_token():

@@ -298,10 +298,9 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
     kernels that compute the same thing."""
     from dsv4_attention.stages import e_fused
 
-    torch.manual_seed(s_kv + heads)
-    q = torch.randn(s_q, heads, 512, dtype=torch.bfloat16, device=dev)
-    kv = torch.randn(s_kv, 1, 512, dtype=torch.bfloat16, device=dev)
-    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()
+    q = random_bshd(1, s_q, heads, 512, torch.bfloat16, dev)[0]
+    kv = random_bshd(1, s_kv, 1, 512, torch.bfloat16, dev)[0]
+    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()  # distinct rows
     sink = torch.randn(heads, device=dev)
     scale = 512 ** -0.5
     o = torch.empty_like(q)
@@ -317,9 +316,7 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
         call = lambda: flashmla_peer.sparse_prefill_fwd(q, kv, idx, scale, 512, sink, None)  # noqa: E731
         o_peer = call()[0]
         row["max_abs_diff_vs_flashmla"] = float((o_peer.float() - o.float()).abs().max())
-        t = bench.time_ms([call])
-        row["peers"]["flashmla"], row["peer_ms"]["flashmla"] = round(bench.tflops(flop, t), 1), round(t, 4)
-        row["time_ratio_vs"]["flashmla"] = round(ms / t, 3)
+        add_peer(row, "flashmla", bench.time_ms([call]), flop)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
         print(f"peer flashmla failed: {type(e).__name__}: {e}"[:300], flush=True)
     print(f"stage e {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {row['peers']} "
@@ -376,6 +373,12 @@ def fused_row(dev, s: int, ratio: int = 128) -> dict:
     return row
 
 
+def add_peer(row: dict, name: str, peer_ms: float, flop: int) -> None:
+    """A peer measured on the row's case: its TFLOP/s, ms and our time over its."""
+    row["peers"][name], row["peer_ms"][name] = round(bench.tflops(flop, peer_ms), 1), round(peer_ms, 4)
+    row["time_ratio_vs"][name] = round(row["ours_ms"] / row["peer_ms"][name], 3)
+
+
 def varlen_row(stage, dev, d, h, hk, requests=16, seed=0) -> dict:
     """A causal prefill batch of ``requests`` uneven requests (256-4096 tokens each, random with a
     fixed seed) as one variable-length call, ours against FlashAttention-4's varlen call on the
@@ -395,9 +398,7 @@ def varlen_row(stage, dev, d, h, hk, requests=16, seed=0) -> dict:
     try:
         from flash_attn.cute import flash_attn_varlen_func
 
-        t = bench.time_ms([lambda: flash_attn_varlen_func(q, k, v, **kw)])
-        row["peers"]["fa4"], row["peer_ms"]["fa4"] = round(bench.tflops(flop, t), 1), round(t, 4)
-        row["time_ratio_vs"]["fa4"] = round(ms / t, 3)
+        add_peer(row, "fa4", bench.time_ms([lambda: flash_attn_varlen_func(q, k, v, **kw)]), flop)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
         print(f"peer fa4 varlen failed: {type(e).__name__}: {e}"[:300], flush=True)
     print(f"stage {stage.ID} {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {row['peers']}",

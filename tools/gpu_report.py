@@ -1,7 +1,7 @@
 """Run the test session and the benchmarks on a GPU and write the device report.
 
     python -m tools.gpu_report --out DIR [--stage a ... | --stage calls] [--tests all|gpu|none] [--no-bench]
-                               [--no-sanity]
+                               [--no-sanity] [--shard K/N]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
 (sha256 of every file under stages/ and common/), test counts per stage and
@@ -13,6 +13,10 @@ user runs it where the kernels run (on a GPU machine CuTeDSL would take the GPU'
 architecture for any host test that does not name its own); every failure is counted
 in the report, and a report with failures verifies nothing (tools/status.py).
 ``gpu`` runs the GPU tests of the chosen stages only; ``none`` runs no test (benchmarks).
+``--shard K/N`` runs the K-th of N parts of the session (whole test files, balanced by their
+rough GPU weight), so that a session longer than the device's 10-minute command limit runs
+in N calls; the parts of one code merge into one report, and a report that lacks a part
+verifies nothing (tools/status.py).
 With --stage, the results are merged into docs/results/<gpu>.json from the
 tree when that report ran the same code, so each call fits the device's
 10-minute command limit. Copy the file into docs/results/ and commit it.
@@ -31,15 +35,31 @@ import tempfile
 from dsv4_attention.common import report
 from dsv4_attention.common.arch import gpu_name, present_arch
 
+# rough weights of the test files (GPU minutes under 16 workers); any other file weighs 1
+WEIGHTS = {"test_e_gpu.py": 8, "test_d1_gpu.py": 5, "test_d4_gpu.py": 5, "test_c_gpu.py": 4, "test_d3_gpu.py": 4,
+           "test_d5_gpu.py": 4, "test_context_parallel.py": 4, "test_d2_gpu.py": 3, "test_b_gpu.py": 3,
+           "test_a_gpu.py": 2, "test_ops.py": 3}
 
-def run_tests(stages, which: str, log) -> dict:
+
+def shard_files(k: int, n: int, tests: pathlib.Path = pathlib.Path("tests")) -> list:
+    """The test files of part ``k`` (1-based) of ``n``: heaviest first, each to the lightest part."""
+    files = sorted(p.name for p in tests.glob("test_*.py"))
+    parts = [[0, []] for _ in range(n)]
+    for f in sorted(files, key=lambda f: (-WEIGHTS.get(f, 1), f)):
+        part = min(parts, key=lambda p: p[0])
+        part[0] += WEIGHTS.get(f, 1)
+        part[1].append(f)
+    return [str(tests / f) for f in sorted(parts[k - 1][1])]
+
+
+def run_tests(stages, which: str, log, files=("tests",)) -> dict:
     marks = " or ".join(f"stage_{s}" for s in stages)
     select = ["-m", f"gpu and ({marks})"] if which == "gpu" else []
     workers = os.environ.get("PYTEST_WORKERS", "8")
     with tempfile.TemporaryDirectory() as tmp:
         res = pathlib.Path(tmp) / "results.json"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *select,
-               f"--results-json={res}", "tests"]
+               f"--results-json={res}", *files]
         print("+", " ".join(cmd), flush=True)
         p = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log.write(p.stdout)
@@ -56,7 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tests", choices=("all", "gpu", "none"), default="all")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sanity", action="store_true")
+    ap.add_argument("--shard", help="K/N: run part K of N of the test session")
     a = ap.parse_args(argv)
+    shard = tuple(int(x) for x in a.shard.split("/")) if a.shard else None
+    if shard and not (a.tests == "all" and 1 <= shard[0] <= shard[1]):
+        ap.error("--shard K/N needs --tests all and 1 <= K <= N")
     if present_arch() is None:
         print(f"gpu_report needs a Hopper or Blackwell GPU; this machine has {gpu_name() or 'none'}")
         return 2
@@ -79,7 +103,8 @@ def main(argv=None) -> int:
         summary = {"tests": {}, "errors": {}, "pytest_exit": None}
     else:
         with open(out_dir / f"{name}-log.txt", "a") as log:
-            summary = run_tests(stage_ids, a.tests, log)
+            files = shard_files(*shard) if shard else ("tests",)
+            summary = run_tests(stage_ids, a.tests, log, files)
     # the whole session also counts the tests of no stage (harness, reference, status)
     keys = list(stage_ids) + (["none"] if a.tests == "all" and "none" in summary["tests"] else [])
     new = {
@@ -101,7 +126,13 @@ def main(argv=None) -> int:
         new["peer_sanity"] = bench.peer_sanity()
         print("peer sanity:", json.dumps(new["peer_sanity"]), flush=True)
     existing = report.RESULTS / f"{name}.json"
-    merged = report.merge(report.load(existing) if existing.exists() else None, new)
+    old = report.load(existing) if existing.exists() else None
+    if a.tests == "all" and not shard:
+        new.update(shards={}, shard_count=0)  # a whole session replaces any parts of an earlier one
+    if shard:
+        new["runs"][0]["shard"] = a.shard
+        report.add_shard(old, new, shard, {k: summary[k] for k in ("tests", "errors", "pytest_exit")})
+    merged = report.merge(old, new)
     (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")
     return summary["pytest_exit"] or 0

@@ -33,14 +33,11 @@ def make_kernel(arch: str, dtype: torch.dtype, head_dim: int):
 
 
 def example_args(dtype: torch.dtype, head_dim: int, device="cpu"):
-    """Arguments to compile against (any shapes: the kernel is shape-dynamic)."""
-    import cutlass
-    from cutlass.cute.runtime import make_fake_stream
-
+    """The kernel's arguments as a call passes them (any shapes: the kernel is shape-dynamic)."""
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype, device=device)
     k = torch.empty(2, 200, 2, head_dim, dtype=dtype, device=device)
     s = torch.empty(2, 4, 300, 200, dtype=torch.float32, device=device)
-    return [jit.as_cute(q), jit.as_cute(k), jit.as_cute(s), cutlass.Float32(0.125), make_fake_stream()]
+    return [q, k, s, 0.125, jit.STREAM]
 
 
 def forward(
@@ -53,8 +50,6 @@ def forward(
     softmax_scale defaults to head_dim ** -0.5. Returns s: [batch, heads, seqlen_q, seqlen_k],
     written into ``out`` when given (fp32, contiguous, that shape, q's device).
     """
-    import cutlass
-
     check_qk(q, k, HEAD_DIMS)
     scale = check_scale(softmax_scale, q.shape[3])
     b, sq, h, d = q.shape
@@ -65,8 +60,7 @@ def forward(
         check_out("out", out, shape, torch.float32, q.device)
     arch = arch_of_device(q.device)
     s = torch.empty(shape, dtype=torch.float32, device=q.device) if out is None else out
-    args = [jit.as_cute(q), jit.as_cute(k), jit.as_cute(s), cutlass.Float32(scale), jit.current_stream()]
-    jit.stage_kernel(ID, KERNELS, arch, q.dtype, d, args)(*args)
+    jit.launch(ID, KERNELS, arch, q.dtype, d, [q, k, s, float(scale), jit.STREAM])
     return s
 
 

@@ -214,6 +214,7 @@ class FlashAttentionD1Sm90:
         mCompressed: cute.Tensor | None = None,
         compress_ratio: cutlass.Int32 = None,
         mTopk: cute.Tensor | None = None,
+        kv_start: cutlass.Int32 = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -253,6 +254,7 @@ class FlashAttentionD1Sm90:
         sV_t = smem_buffer(self.dtype, cute.cosize(sKV_layout), not self.kv_shared)
         sP_t = smem_buffer(self.dtype, cute.cosize(sP_layout), self.p_in_smem)
         stats_t = smem_buffer(cutlass.Float32, 2 * 2 * WGMMA_M, self.split)
+        lists_t = smem_buffer(cutlass.Int32, self.tile_n * self.slots, self.has_topk)
 
         @cute.struct
         class SharedStorage:
@@ -265,6 +267,7 @@ class FlashAttentionD1Sm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
             sV: sV_t
             sP: sP_t
+            lists: lists_t  # E top-k: each ring slot's tile of the token's list (tile_n, slots) int32
 
         self.shared_storage = SharedStorage
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
@@ -280,7 +283,7 @@ class FlashAttentionD1Sm90:
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem,
+            mTopk, mC_mem, kv_start,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -295,6 +298,7 @@ class FlashAttentionD1Sm90:
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
     varlen = False  # D3: requests packed along the tokens (cu_seqlens)
     has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
+    has_topk = False  # E: the compressed tiles are gathered list positions; SMEM keeps each slot's list
     producer_warps = 1  # warps of the producer warpgroup that load (E top-k: 4, gathering rows)
     full_arrivals = 1  # arrivals that complete a chunk's full barrier (E top-k: every producer thread)
 
@@ -303,9 +307,10 @@ class FlashAttentionD1Sm90:
         return seqlen_k
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                mTopk) -> KvSpan:
+                mTopk, kv_start=0) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py;
-        the fused stage adds compressed tiles in front, common/compressed.py)."""
+        the fused stage adds compressed tiles in front, common/compressed.py, whose visibility
+        counts absolute positions from ``kv_start``)."""
         return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
                       self.has_left, self.has_right)
 
@@ -366,6 +371,7 @@ class FlashAttentionD1Sm90:
         compress_ratio: cutlass.Int32 | None,
         mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of compressed entries
         mC_mem: cute.Tensor,  # the compressed entries' memory (seqlen_c, d, kv_heads, batch); O's where unused
+        kv_start: cutlass.Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -397,7 +403,8 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(self.kv_shared):
                 chunks = self.head_dim // CHUNK_COLS
                 pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
-                                         tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals)
+                                         tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals,
+                                         lanes_read_slot=self.has_topk)
                 pipeline_v = None
                 self.init_ring(pipeline_k, warp_idx)
             else:
@@ -426,7 +433,9 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(mTopk is not None):
                 topk_b = mTopk[b, None, None]
             span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0],
-                                topk_b)
+                                topk_b, kv_start)
+            if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
+                span.stage_lists(storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))), self.slots)
             origin, n_blocks = span.origin, span.n_tiles
             # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
             mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, b])

@@ -15,8 +15,9 @@ so the result is the exact softmax over the union, not a merge of two rounded ha
 ``compressed_kv`` this is stage D5. With ``topk_indices`` (DeepSeek-V4's CSA layers) only the
 entries each token lists take part, gathered by the kernel (sm90: cp.async by the producer
 warpgroup; sm100: TMA gather). ``index_attention``: FlashMLA's sparse attention (index lists as a
-token's only keys) on the same kernel. Not yet here: ``positions``, and compressed entries with
-``cu_seqlens`` (ValueError).
+token's only keys) on the same kernel. ``kv_start`` places the raw keys in the sequence when they are only its last
+rows. Not yet here: per-token ``positions``, and compressed entries with ``cu_seqlens``
+(ValueError).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from dsv4_attention.common import interface, jit
 from dsv4_attention.common.compressed import compressed_visible  # noqa: F401 - the formula, for callers
-from dsv4_attention.common.validation import check_window
+from dsv4_attention.common.validation import check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import visible_pairs
 
@@ -58,7 +59,7 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
             window_size=(None, None), seqused_k: torch.Tensor | None = None,
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
-            out=None, lse_out=None, p_in_smem: bool | None = None):
+            kv_start: int = 0, out=None, lse_out=None, p_in_smem: bool | None = None):
     """Stage D5's attention over the window's keys plus the compressed entries.
 
     ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
@@ -66,7 +67,10 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     entry j is visible to query i iff j < floor((i + seqlen_k - seqlen_q + 1) / ratio): all of them,
     or only those ``topk_indices`` [batch, seqlen_q, k] int32 lists per token (-1 padded; DeepSeek-V4's
     CSA layers; the query heads of a KV head must fill whole Q tiles: 64 or 128 heads at head dim 512
-    on sm90). Returns (o, lse), lse over both key sets, without the sink."""
+    on sm90). ``kv_start``: the absolute position of ``k``'s row 0 when ``k`` holds only the last
+    rows of a longer sequence (DeepSeek-V4's window cache; a context-parallel shard with its halo):
+    the window is taken in ``k``'s rows as always, the compressed visibility at the absolute position
+    kv_start + i + seqlen_k - seqlen_q. Returns (o, lse), lse over both key sets, without the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -76,7 +80,7 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
                                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                               max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
                                               compressed_kv=compressed_kv, compress_ratio=compress_ratio,
-                                              topk_indices=topk_indices)
+                                              topk_indices=topk_indices, kv_start=kv_start)
 
 
 def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax_scale: float | None = None,
@@ -107,7 +111,7 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
             raise ValueError(f"topk_length must be a [tokens] = ({q.shape[0]},) int32 tensor on {q.device}")
         k = idx.shape[1]
         if q.shape[0] and not (topk_length.is_cuda and torch.cuda.is_current_stream_capturing()):
-            lo, hi = int(topk_length.min()), int(topk_length.max())
+            lo, hi = value_range(topk_length)
             if lo < 0 or hi > k:
                 raise ValueError(f"topk_length values must lie in [0, k = {k}]; got min {lo}, max {hi}")
         idx = torch.where(torch.arange(k, device=idx.device)[None] < topk_length[:, None], idx, -1)

@@ -54,10 +54,10 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode)
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0, n_compressed=0,
-                mTopk=None):
+                mTopk=None, kv_start=0):
         if cutlass.const_expr(not self.has_compressed):
             return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk)
+                                   mTopk, kv_start)
         token = m_block * QK_TILE_M // self.pack_group  # top-k: the tile's one token
         if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
             return IndexSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, n_compressed,
@@ -65,9 +65,9 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         if cutlass.const_expr(self.has_topk):
             return TopkSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
                             window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1])
+                            mTopk[token, None], mTopk.shape[1], kv_start)
         return FusedSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed)
+                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start)
 
     def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
         if not self.has_topk:

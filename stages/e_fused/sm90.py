@@ -52,10 +52,11 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             self.consumer_regs -= 8
             self.producer_regs += 8 * self.num_wg
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk):
+    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk,
+                kv_start=0):
         if cutlass.const_expr(not self.has_compressed):
             return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk)
+                                   mTopk, kv_start)
         token = m_block * self.tile_m // self.pack_group
         if cutlass.const_expr(self.index_mode):  # the list is every key
             return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, n_compressed,
@@ -63,9 +64,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         if cutlass.const_expr(self.has_topk):  # the Q tile's one token's list
             return TopkSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
                             window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1])
+                            mTopk[token, None], mTopk.shape[1], kv_start)
         return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed)
+                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start)
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
@@ -106,6 +107,15 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             j = span.idx_row[pos]
         return j if (j >= 0) & (j < span.count) else cutlass.Int32(0)
 
+    def list_copy_views(self, span, n, c):
+        """(src, dst): entry c of compressed tile n's list, one int32 of the token's list in global
+        memory and its place in the span's staged (tile_n, slots) SMEM lists (column-major: slot
+        s's entries are words s T .. s T + T - 1). Proven on the host (tests/test_e_sm90_host.py)."""
+        src = cute.make_tensor(cute.make_ptr(cutlass.Int32, span.idx_row.iterator.toint() + span.list_source(n, c) * 4,
+                                             cute.AddressSpace.gmem, assumed_align=4), cute.make_layout(1))
+        dst = cute.make_tensor(span.lists.iterator + (span.list_slot(n) * self.tile_n + c), cute.make_layout(1))
+        return src, dst
+
     @cute.jit
     def gather_tile(self, ring, t, n, span, ring_base: cute.Pointer, mC_hb: cute.Tensor):
         """Top-k: ring use t <- the compressed rows at list positions [n T, n T + T) of the Q
@@ -113,6 +123,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         unit i % 8 of rows i / 8 + 16 p of every 64-column chunk, to ``gather_offset`` (the
         swizzled slot layout, proven on the host), then arrives on the chunk's full barrier when its
         copies have landed (cp.async.mbarrier.arrive.noinc: the barrier counts all 128 threads).
+        Threads 0 .. T-1 also copy the tile's T list entries to the slot's column of the span's SMEM
+        lists before chunk 0's arrival, so chunk 0's barrier covers them: the consumers' masks read
+        them there. The slot is free again only after the PV GEMM that follows the mask.
         A position that is not a visible entry (-1, past the list, not yet visible) copies row 0:
         its score is masked, and a finite V row times P = 0 adds exactly 0."""
         s = t % self.slots
@@ -120,10 +133,15 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         tidx = cute.arch.thread_idx()[0]  # 0 .. 127: the producer warpgroup
         unit = tidx % UNITS
         passes = self.tile_n * UNITS // THREADS_PER_WARPGROUP
-        cute.arch.mbarrier_wait(ring.empty + s, phase ^ 1)
+        # the rows' list entries are read before the wait for the slot: their latency hides behind it
         src_rows = cute.make_rmem_tensor(passes, cutlass.Int32)
         for p in cutlass.range_constexpr(passes):
             src_rows[p] = self.gather_source_row(span, n, self.gather_row(tidx, p))
+        cute.arch.mbarrier_wait(ring.empty + s, phase ^ 1)
+        if tidx < self.tile_n:  # the tile's list entries, for the consumers' masks (TopkSpan.tile_list)
+            word = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
+                                       num_bits_per_copy=32)
+            cute.copy(word, *self.list_copy_views(span, n, tidx))
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                    num_bits_per_copy=GATHER_BYTES * 8)
         elem = self.dtype.width // 8
