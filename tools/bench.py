@@ -287,7 +287,127 @@ def bench_stage_e(dev) -> list:
         for s_kv in (8192, 32768):
             rows.append(index_row(dev, h, k, s_kv))
             torch.cuda.empty_cache()
+    for topk in (None, 512):
+        for s in (8192, 32768):
+            rows += guarded(unfused_row, dev, s, topk)
+    copy = bench.copy_gbps(dev)
+    for topk in (None, 512):
+        for sq in (1, 2):
+            for sk in (4096, 65536):
+                rows += guarded(decode_row, dev, sq, sk, topk, copy)
+                torch.cuda.empty_cache()
     return rows
+
+
+def guarded(make_row, *args) -> list:
+    """[make_row(*args)], or [] with the error printed: a case that fails leaves the others standing."""
+    try:
+        return [make_row(*args)]
+    except Exception as e:  # noqa: BLE001 - reported, and the run goes on
+        print(f"{make_row.__name__}{args[1:]} failed: {type(e).__name__}: {e}"[:400], flush=True)
+        return []
+
+
+def dsv4_layer(dev, b: int, sq: int, sk: int, topk: int | None, seed: int = 0) -> dict:
+    """DeepSeek-V4's attention inputs: 128 heads on one K = V head of hd 512, window (127, 0), a
+    sink, and compressed entries: all visible ones at ratio 128 (HCA, ``topk`` None) or ``topk``
+    distinct visible entries per token at ratio 4 (CSA; -1 past a token's count). Query i sits at
+    position sk - sq + i (bottom-right aligned)."""
+    torch.manual_seed(seed)
+    ratio = 128 if topk is None else 4
+    n_c = sk // ratio
+    def rnd(*shape):  # drawn on the device: a 64 x 64k x 512 KV buffer would take seconds on the host
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+
+    case = {"q": rnd(b, sq, 128, 512), "kv": rnd(b, sk, 1, 512), "compressed_kv": rnd(b, n_c, 1, 512),
+            "compress_ratio": ratio,
+            "learnable_sink": torch.randn(128, device=dev), "topk_indices": None}
+    count = ((torch.arange(sk - sq, sk, device=dev) + 1) // ratio).clamp(max=n_c)  # visible entries per token
+    if topk is not None:
+        # distinct entries: a random permutation's first k, kept where below the token's count
+        perm = torch.rand(b, sq, n_c, device=dev).argsort(-1)[..., :topk]
+        perm = torch.where(perm < count[None, :, None], perm, -1)
+        case["topk_indices"] = perm.sort(-1, descending=True).values.int().contiguous()
+    case["count"] = count
+    return case
+
+
+def unfused_row(dev, s: int, topk: int | None) -> dict:
+    """The fused launch against the unfused path built from this library's own pieces: the window
+    branch (stage D4), the compressed branch (index mode over the compressed rows: each token's
+    visible entries, or its top-k list), ``merge_attention`` and the sink applied in torch. The
+    two outputs are compared (max |diff|), so the rows measure the same function."""
+    from dsv4_attention.common.merge import merge_attention
+    from dsv4_attention.stages import d4_causal_window, e_fused
+
+    c = dsv4_layer(dev, 1, s, s, topk)
+    q, kv, ckv, sink = c["q"], c["kv"], c["compressed_kv"], c["learnable_sink"]
+    n_c = ckv.shape[1]
+    if topk is None:
+        ar = torch.arange(n_c, device=dev, dtype=torch.int32)
+        idx = torch.where(ar[None] < c["count"][:, None], ar[None], -1)
+    else:
+        idx = c["topk_indices"][0]
+    idx = idx[:, None].contiguous()
+    kw = {"causal": True, "window_size": (127, 0)}
+
+    def unfused():
+        o1, lse1 = d4_causal_window.forward(q, kv, kv, **kw)
+        o2, lse2 = e_fused.index_attention(q[0], ckv[0], idx)
+        o, lse = merge_attention(o1, lse1, o2[None], lse2.t()[None])
+        scale = torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]  # [b, s, h, 1]
+        return (o.float() * scale).to(q.dtype)
+
+    def fused():
+        return e_fused.forward(q, kv, compressed_kv=ckv, compress_ratio=c["compress_ratio"],
+                               topk_indices=c["topk_indices"], learnable_sink=sink, **kw)[0]
+
+    diff = float((unfused().float() - fused().float()).abs().max())
+    ms = bench.time_ms([fused])
+    ms_u = bench.time_ms([unfused])
+    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), c["compress_ratio"], n_c, topk=topk)
+    what = f"top-{topk} of {n_c} (ratio 4)" if topk else f"{n_c} entries (ratio 128)"
+    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + {what} sq{s} hd512 k_eq_v sink bf16, fused vs unfused",
+           "head_dim": 512, "seqlen": s, "kind": "fused vs unfused (D4 window + index-mode compressed + torch merge)",
+           "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {},
+           "time_ratio_vs": {}, "max_abs_vs_unfused": diff}
+    add_peer(row, "unfused", ms_u, flop)
+    print(f"stage e {row['case']}: fused {ms:.3f} ms, unfused {ms_u:.3f} ms ({ms_u / ms:.2f}x), max|diff| {diff:.4g}",
+          flush=True)
+    return row
+
+
+def decode_row(dev, sq: int, sk: int, topk: int | None, copy: float) -> dict:
+    """DeepSeek-V4 decode: 64 requests x ``sq`` tokens, 128 heads, one K = V head of hd 512, window
+    (127, 0) + compressed entries (HCA: all visible at ratio 128; CSA: ``topk`` at ratio 4). Small
+    and latency-bound: bandwidth over the bytes that must move (each request's window rows, the
+    compressed rows it reads once, Q, O, LSE) against a same-run device copy."""
+    from dsv4_attention.stages import e_fused
+
+    b = 64
+    c = dsv4_layer(dev, b, sq, sk, topk)
+    q, kv, ckv = c["q"], c["kv"], c["compressed_kv"]
+    kw = {"compressed_kv": ckv, "compress_ratio": c["compress_ratio"], "topk_indices": c["topk_indices"],
+          "learnable_sink": c["learnable_sink"], "causal": True, "window_size": (127, 0)}
+    ms = bench.time_ms([lambda: e_fused.forward(q, kv, **kw)])
+    window_rows = min(sk, 128 + sq - 1)
+    if topk is None:
+        c_rows = b * int(c["count"].max())
+    else:
+        lists = c["topk_indices"].reshape(b, -1).sort(-1).values
+        distinct = (lists[:, 1:] != lists[:, :-1]) & (lists[:, 1:] >= 0)
+        c_rows = int(distinct.sum()) + int((lists[:, 0] >= 0).sum())
+    moved = (b * window_rows + c_rows) * 512 * 2 + 2 * b * sq * 128 * 512 * 2 + b * 128 * sq * 4
+    flop = e_fused.flops(b, sq, sk, 128, 512, True, (127, 0), c["compress_ratio"], ckv.shape[1], topk=topk)
+    what = f"top-{topk} of {ckv.shape[1]} (ratio 4)" if topk else f"{ckv.shape[1]} entries (ratio 128)"
+    row = {"stage": "e", "case": f"decode b{b} h128 hk1 sq{sq} sk{sk} window(127, 0) + {what} hd512 k_eq_v sink bf16",
+           "head_dim": 512, "seqlen": sk, "kind": "decode", "ours_ms": round(ms, 4),
+           "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {},
+           "gbps": round(moved / (ms * 1e-3) / 1e9), "copy_gbps": round(copy)}
+    row["fraction_of_copy"] = round(row["gbps"] / copy, 3)
+    print(f"stage e {row['case']}: {ms:.3f} ms, {row['gbps']} GB/s ({row['fraction_of_copy']:.0%} of copy)",
+          flush=True)
+    return row
 
 
 def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
