@@ -12,7 +12,9 @@ Every rank builds the whole problem from one seed (so no input is sent), keeps i
 runs the context-parallel call; rank 0 then runs the single-GPU kernel on the whole sequence
 and compares (``--check``: errors of the gathered shards against it, and of both against the
 float64 reference on the last 256 queries) and prints one JSON line per case: times (median of
-CUDA events, every rank synchronised), the speedup, and the errors.
+CUDA events, every rank synchronised), the speedup, the errors, and the kernels' own time (the
+same kernel calls replayed without communication or merges; the rest of the call is the
+communication the schedule did not hide).
 
 Cases: ``dsv4``, DeepSeek-V4's HCA layer (128 heads on one K = V head, hd 512, window 127,
 compressed entries of ratio 128, sink), contiguous shards; ``ring``, dense causal GQA (32 heads
@@ -52,6 +54,31 @@ def timed(fn, iters: int = 5, group: bool = True) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class Recorder:
+    """An ``attention`` for the context-parallel calls that runs ``fn`` and keeps every call's
+    arguments, so that the kernels alone (no communication, no merge) can be timed on the same
+    inputs: the call's time beyond them is the communication the schedule did not hide."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kw):
+        self.calls.append((args, kw))
+        return self.fn(*args, **kw)
+
+    def replay(self):
+        for args, kw in self.calls:
+            self.fn(*args, **kw)
+
+
+def add_kernel_time(row: dict, call_with) -> None:
+    """row["kernels_ms"]: the slowest rank's kernels alone; ``unhidden_ms``: the rest of the call."""
+    rec = call_with()
+    row["kernels_ms"] = timed(rec.replay)
+    row["unhidden_ms"] = max(0.0, row["cp_ms"] - row["kernels_ms"])
+    row["unhidden_share"] = round(row["unhidden_ms"] / row["cp_ms"], 3)
+
+
 def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
 
     from dsv4_attention.common import context_parallel as cp
@@ -76,6 +103,15 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     row = {"case": f"dsv4 HCA h{h} hd{d} ratio {ratio} seqlen {seqlen}", "world": world, "shards": "contiguous",
            "cp_ms": timed(call)}
     row["single_ms"] = timed(lambda: e_fused.forward(q, kv, **kw), group=False) if rank == 0 else None
+
+    def recorded():
+        rec = Recorder(e_fused.forward)
+        cp.dsv4_attention_cp(mine["q"], mine["kv"], compressed_kv=mine["compressed_kv"], compress_ratio=ratio,
+                             learnable_sink=sink, attention=rec)
+        return rec
+
+    add_kernel_time(row, recorded)
+    row["tflop"] = e_fused.flops(1, seqlen, seqlen, h, d, True, (127, 0), ratio, ckv.shape[1]) / 1e12
     if check:
         o_cp, _ = call()
         o_cp = cp.gather_rows(o_cp[0], [bounds[r + 1] - bounds[r] for r in range(world)])[None]
@@ -107,6 +143,14 @@ def ring_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     row = {"case": f"dense causal GQA h{h}/{hk} hd{d} seqlen {seqlen}", "world": world, "shards": "zig-zag ring",
            "cp_ms": timed(call)}
     row["single_ms"] = timed(lambda: d4_causal_window.forward(q, k, v, causal=True), group=False) if rank == 0 else None
+
+    def recorded():
+        rec = Recorder(d4_causal_window.forward)
+        cp.ring_attention_cp(*mine, seqlen=seqlen, attention=rec)
+        return rec
+
+    add_kernel_time(row, recorded)
+    row["tflop"] = d4_causal_window.flops(1, seqlen, seqlen, h, d, causal=True) / 1e12
     if check:
         o_cp, _ = call()
         sizes = [cp.zigzag_shard(q, r, world).shape[1] for r in range(world)]
@@ -132,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=["dsv4", "ring", "both"], default="both")
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--json", help="rank 0 appends one JSON line per case to this file")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                     help="default: nccl with a GPU per rank, gloo (ranks sharing GPUs) otherwise")
     a = ap.parse_args(argv)
@@ -152,8 +197,12 @@ def main(argv=None) -> int:
     if rank == 0:
         for r in rows:
             r["speedup"] = round(r["single_ms"] / r["cp_ms"], 3)
-            print(json.dumps({**r, "backend": backend, "gpus": torch.cuda.device_count(),
-                              "gpu": torch.cuda.get_device_name()}), flush=True)
+            line = json.dumps({**r, "backend": backend, "gpus": torch.cuda.device_count(),
+                               "gpu": torch.cuda.get_device_name()})
+            print(line, flush=True)
+            if a.json:
+                with open(a.json, "a") as f:
+                    f.write(line + "\n")
     dist.destroy_process_group()
     return 0 if all(r.get("ok", True) for r in rows) or rank != 0 else 1
 

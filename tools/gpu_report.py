@@ -12,7 +12,9 @@ measured in the same run, and the peers' sanity check against the anchors.
 user runs it where the kernels run (on a GPU machine CuTeDSL would take the GPU's
 architecture for any host test that does not name its own); every failure is counted
 in the report, and a report with failures verifies nothing (tools/status.py).
-``gpu`` runs the GPU tests of the chosen stages only; ``none`` runs no test (benchmarks).
+``gpu`` runs the GPU tests of the chosen stages only; ``cp`` the context-parallel tests (on a
+machine of several GPUs, whose report is its own file: h200x2.json); ``none`` runs no test
+(benchmarks). ``--stage cp`` is the 2-GPU context-parallel benchmark.
 ``--shard K/N`` runs the K-th of N parts of the session (whole test files, balanced by their
 rough GPU weight), so that a session longer than the device's 10-minute command limit runs
 in N calls; the parts of one code merge into one report, and a report that lacks a part
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--stage", action="append")
-    ap.add_argument("--tests", choices=("all", "gpu", "none"), default="all")
+    ap.add_argument("--tests", choices=("all", "gpu", "cp", "none"), default="all")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sanity", action="store_true")
     ap.add_argument("--shard", help="K/N: run part K of N of the test session")
@@ -94,19 +96,21 @@ def main(argv=None) -> int:
 
     every = [s.id for s in stage_registry.STAGES]
     # "calls" (host time per call, first call in a fresh process) is a bench of no stage
-    stage_ids = [s for s in (a.stage or every) if s != "calls"]
+    stage_ids = [s for s in (a.stage or every) if s not in ("calls", "cp")]
     bench_ids = [s for s in (a.stage or ["calls", *every]) if s in bench_tool.BENCHES]
-    name = report.gpu_file_name(gpu_name())
+    gpus = torch.cuda.device_count()
+    name = report.gpu_file_name(gpu_name()) + (f"x{gpus}" if gpus > 1 else "")  # h200x2: its own report
     out_dir = pathlib.Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.tests == "none":
         summary = {"tests": {}, "errors": {}, "pytest_exit": None}
     else:
         with open(out_dir / f"{name}-log.txt", "a") as log:
-            files = shard_files(*shard) if shard else ("tests",)
-            summary = run_tests(stage_ids, a.tests, log, files)
+            files = (shard_files(*shard) if shard else ["tests/test_context_parallel.py"] if a.tests == "cp"
+                     else ["tests"])
+            summary = run_tests(stage_ids, "all" if a.tests == "cp" else a.tests, log, files)
     # the whole session also counts the tests of no stage (harness, reference, status)
-    keys = list(stage_ids) + (["none"] if a.tests == "all" and "none" in summary["tests"] else [])
+    keys = list(stage_ids) + (["none"] if a.tests in ("all", "cp") and "none" in summary["tests"] else [])
     new = {
         "device": gpu_name(),
         "arch": present_arch(),
