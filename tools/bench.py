@@ -324,10 +324,13 @@ def dsv4_layer(dev, b: int, sq: int, sk: int, topk: int | None, seed: int = 0) -
             "learnable_sink": torch.randn(128, device=dev), "topk_indices": None}
     count = ((torch.arange(sk - sq, sk, device=dev) + 1) // ratio).clamp(max=n_c)  # visible entries per token
     if topk is not None:
-        # distinct entries: a random permutation's first k, kept where below the token's count
-        perm = torch.rand(b, sq, n_c, device=dev).argsort(-1)[..., :topk]
-        perm = torch.where(perm < count[None, :, None], perm, -1)
-        case["topk_indices"] = perm.sort(-1, descending=True).values.int().contiguous()
+        # as an indexer picks them: the k best of random scores over the token's visible entries,
+        # so min(k, count) distinct visible entries, then -1
+        visible = torch.arange(n_c, device=dev)[None, None] < count[None, :, None]
+        score = torch.rand(b, sq, n_c, device=dev).masked_fill(~visible, -1.0)
+        best = score.topk(min(topk, n_c), dim=-1).indices
+        best = torch.where(best < count[None, :, None], best, -1).sort(-1, descending=True).values
+        case["topk_indices"] = torch.nn.functional.pad(best, (0, topk - best.shape[-1]), value=-1).int().contiguous()
     case["count"] = count
     return case
 
@@ -444,46 +447,39 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
     return row
 
 
-def topk_row(dev, s: int, k: int, ratio: int = 4) -> dict:
-    """DeepSeek-V4's CSA layer: window (127, 0) + k listed entries per token (ratio 4, entries the
-    token sees, distinct), gathered in the kernel; FLOPs count every listed position."""
+def topk_row(dev, s: int, k: int) -> dict:
+    """DeepSeek-V4's CSA layer: window (127, 0) + k listed entries per token (ratio 4, distinct
+    entries the token sees, -1 padded: ``dsv4_layer``), gathered in the kernel; FLOPs count every
+    listed position."""
     from dsv4_attention.stages import d5_sink_merge, e_fused
 
-    n_c = s // ratio
-    q = random_bshd(1, s, 128, 512, torch.bfloat16, dev)
-    kv = random_bshd(1, s, 1, 512, torch.bfloat16, dev)
-    ckv = random_bshd(1, n_c, 1, 512, torch.bfloat16, dev)
-    t = torch.arange(s, device=dev)[:, None]
-    count = ((t + 1) // ratio).clamp(min=1)
-    idx = (torch.rand(s, k, device=dev) * count).long()  # visible entries (duplicates possible, harmless here)
-    idx = torch.where(torch.arange(k, device=dev)[None] < count, idx, -1).int()[None]
-    sink = torch.randn(128, device=dev)
-    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": sink}
-    ms = bench.time_ms([lambda: e_fused.forward(q, kv, compressed_kv=ckv, compress_ratio=ratio, topk_indices=idx,
-                                                **kw)])
+    c = dsv4_layer(dev, 1, s, s, k)
+    q, kv, ckv, ratio = c["q"], c["kv"], c["compressed_kv"], c["compress_ratio"]
+    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": c["learnable_sink"]}
+    ms = bench.time_ms([lambda: e_fused.forward(q, kv, compressed_kv=ckv, compress_ratio=ratio,
+                                                topk_indices=c["topk_indices"], **kw)])
     ms_w = bench.time_ms([lambda: d5_sink_merge.forward(q, kv, kv, **kw)])
-    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), ratio, n_c, topk=k)
-    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + top-{k} of {n_c} entries (ratio {ratio}) sq{s} "
-           f"hd512 k_eq_v sink bf16", "head_dim": 512, "seqlen": s, "kind": "fused window + top-k (CSA)",
+    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), ratio, ckv.shape[1], topk=k)
+    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + top-{k} of {ckv.shape[1]} entries (ratio {ratio}) "
+           f"sq{s} hd512 k_eq_v sink bf16", "head_dim": 512, "seqlen": s, "kind": "fused window + top-k (CSA)",
            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {},
            "peer_ms": {"d5_window_only": round(ms_w, 4)}, "time_ratio_vs": {"d5_window_only": round(ms / ms_w, 3)}}
     print(f"stage e {row['case']}: {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)", flush=True)
     return row
 
 
-def fused_row(dev, s: int, ratio: int = 128) -> dict:
+def fused_row(dev, s: int) -> dict:
+    """DeepSeek-V4's HCA layer: window (127, 0) + every visible entry at ratio 128 (``dsv4_layer``)."""
     from dsv4_attention.stages import d5_sink_merge, e_fused
 
-    q = random_bshd(1, s, 128, 512, torch.bfloat16, dev)
-    kv = random_bshd(1, s, 1, 512, torch.bfloat16, dev)
-    ckv = random_bshd(1, s // ratio, 1, 512, torch.bfloat16, dev)
-    sink = torch.randn(128, device=dev)
-    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": sink}
+    c = dsv4_layer(dev, 1, s, s, None)
+    q, kv, ckv, ratio = c["q"], c["kv"], c["compressed_kv"], c["compress_ratio"]
+    kw = {"causal": True, "window_size": (127, 0), "learnable_sink": c["learnable_sink"]}
     ms = bench.time_ms([lambda: e_fused.forward(q, kv, compressed_kv=ckv, compress_ratio=ratio, **kw)])
     ms_w = bench.time_ms([lambda: d5_sink_merge.forward(q, kv, kv, **kw)])
-    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), ratio, s // ratio)
+    flop = e_fused.flops(1, s, s, 128, 512, True, (127, 0), ratio, ckv.shape[1])
     flop_w = d5_sink_merge.flops(1, s, s, 128, 512, True, (127, 0))
-    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + {s // ratio} entries (ratio {ratio}) sq{s} hd512 "
+    row = {"stage": "e", "case": f"b1 h128 hk1 window(127, 0) + {ckv.shape[1]} entries (ratio {ratio}) sq{s} hd512 "
            f"k_eq_v sink bf16", "head_dim": 512, "seqlen": s, "kind": "fused window + compressed (HCA)",
            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
            "peers": {"d5_window_only": round(bench.tflops(flop_w, ms_w), 1)},
