@@ -5,7 +5,8 @@ single-GPU kernel's.
 Two schedules, one per kind of attention:
 
 **DeepSeek-V4 (window + compressed entries, MQA, K = V): contiguous shards, a halo.**
-Rank r holds tokens [s_r, s_r+1) of one sequence (any lengths, 0 included). Query t needs the raw
+Rank r holds tokens [s_r, s_r+1) of one sequence (any lengths, 0 included; ``dsv4_bounds`` gives
+the split of equal work: later tokens see more compressed entries). Query t needs the raw
 rows t - left .. t (its window) and the compressed entries j < floor((t + 1) / ratio) of the
 whole sequence. So each rank sends its last ``left`` raw rows to the ranks after it (one
 all-gather of fixed-size tails: a shard shorter than the window takes rows from several ranks
@@ -94,6 +95,32 @@ def halo(kv: torch.Tensor, rows: int, lengths: list[int], rank: int, group=None)
     tails = gather_rows(kv[max(kv.shape[0] - rows, 0):], [min(n, rows) for n in lengths], group)
     before = sum(min(n, rows) for n in lengths[:rank])
     return tails[max(before - rows, 0): before]
+
+
+# Per-token cost of stage E's kernel beyond its keys, in keys: the single-H200 rows of the 2-GPU
+# report fit time = a * tokens + b * (keys summed over tokens) within 0.2 % at 64k, 128k and 256k
+# tokens (HCA, 128 heads, hd 512), with a / b = 206: loading a token's 128 query rows and storing
+# its output cost about what 206 keys do.
+TOKEN_COST_IN_KEYS = 206
+
+
+def dsv4_bounds(seqlen: int, world: int, *, window_left: int = 127, compress_ratio: int | None = None,
+                topk: int | None = None, token_cost: float = TOKEN_COST_IN_KEYS) -> list[int]:
+    """The W + 1 boundaries of a contiguous split of ``seqlen`` tokens that gives every rank the
+    same work. Token t costs ``token_cost`` + its keys: min(t + 1, window_left + 1) raw rows plus
+    its compressed entries, floor((t + 1) / ratio) of them (at most ``topk`` with top-k lists).
+    Equal token counts would not balance: later tokens see more compressed entries, so with HCA at
+    256k tokens an even split leaves the second of 2 ranks 44 % more work than the first."""
+    import numpy as np
+
+    t = np.arange(1, seqlen + 1, dtype=np.float64)
+    cost = token_cost + np.minimum(t, window_left + 1)
+    if compress_ratio:
+        seen = np.floor(t / compress_ratio)
+        cost += np.minimum(seen, topk) if topk else seen
+    total = np.concatenate([[0.0], np.cumsum(cost)])
+    cuts = [int(np.searchsorted(total, total[-1] * r / world)) for r in range(1, world)]
+    return [0, *cuts, seqlen]
 
 
 def dsv4_attention_cp(q, kv, *, compressed_kv=None, compress_ratio=None, topk_indices=None, window_left=127,

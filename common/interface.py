@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from dsv4_attention.common import jit
+from dsv4_attention.common import call_plan, jit
 from dsv4_attention.common.arch import arch_of_device
 from dsv4_attention.common.validation import check_out, check_qkv, check_scale
 
@@ -55,11 +55,23 @@ def same_memory(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out,
                       max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None,
-                      options_for=None, extra_args=None):
+                      options_for=None, extra_args=None, plan=None, plan_tensors=(), plan_key=None):
     """``options``: the kernel's compile-time options; ``options_for(arch, q, k)``, when given,
     adds the options that depend on the validated inputs and the architecture (e.g. D2's group);
     ``extra_args()``, when given, returns the kernel's arguments after the stream (D3's
-    seqused_k, D4's window bounds), called after validation."""
+    seqused_k, D4's window bounds), called after validation.
+
+    ``plan``: the caller's part of the call's signature (its options, hashable; None: the call is
+    never planned, e.g. one whose checks read tensor values), with ``plan_tensors`` the further
+    tensors the kernel may take (common/call_plan.py). A call whose signature has a plan skips
+    everything but the alignment check and the allocation of its outputs. ``plan_key``: the
+    signature, where the caller already looked it up (and found no plan)."""
+    key = plan_key
+    if plan is not None and key is None:
+        key = call_plan.key_of(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
+        done = call_plan.replay(key, q, k, v, out, lse_out, plan_tensors)
+        if done is not None:
+            return done
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
     scale = check_scale(softmax_scale, q.shape[3])
     b, sq, h, d = q.shape
@@ -81,7 +93,9 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     args = [q, k, v, o, lse, float(scale * LOG2E), jit.STREAM]
     if extra_args is not None:
         args += extra_args()
-    jit.launch(stage_id, kernels, arch, q.dtype, d, args, options)
+    fn = jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args, options)
+    fn(*jit.call_args(args))
+    call_plan.record(key, fn, args, plan_tensors)
     return o, lse
 
 
@@ -144,6 +158,15 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     positions counted from ``kv_start``, the absolute position of raw key 0; common/compressed.py). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    plan = plan_key = None
+    if not varlen and seqused_k is None and topk_indices is None:  # else a check reads values: every call
+        plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode)
+        plan_key = call_plan.key_of(stage_id, q, k, v, softmax_scale, out, lse_out, plan,
+                                    (learnable_sink, compressed_kv))
+        done = call_plan.replay(plan_key, q, k, v, out, lse_out, (learnable_sink, compressed_kv))
+        if done is not None:
+            return done
     from dsv4_attention.common.pack_heads import pack_group
     from dsv4_attention.common.validation import (
         check_compressed,
@@ -154,7 +177,6 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         check_topk,
     )
 
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
     if compressed and varlen:
         raise ValueError("compressed_kv with cu_seqlens is not supported yet: pass batched [batch, seqlen, heads, "
@@ -206,7 +228,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
 
     if not varlen:
         return attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
-                                 options=options, options_for=prepare,
+                                 options=options, options_for=prepare, plan=plan, plan_key=plan_key,
+                                 plan_tensors=(learnable_sink, compressed_kv),
                                  extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
                                                               compressed_kv=entries[0], compress_ratio=entries[1],
                                                               topk_indices=entries[2], kv_start=kv_start))

@@ -33,12 +33,14 @@ import os
 import pathlib
 import sys
 import tempfile
+import time
 
 ENV_DIR = "DSV4_ATTENTION_CACHE_DIR"
 ENV_DISABLE = "DSV4_ATTENTION_DISABLE_CACHE"
 
-#: what this process did: entries loaded from the directory, kernels compiled, entries written
-stats = {"loaded": 0, "compiled": 0, "written": 0}
+#: what this process did: entries loaded from the directory, kernels compiled, entries written,
+#: and the seconds loading and compiling (with exporting) took
+stats = {"loaded": 0, "compiled": 0, "written": 0, "load_s": 0.0, "compile_s": 0.0}
 _digest: list = []
 
 
@@ -91,10 +93,13 @@ def load_or_compile(key, compile_fn):
     """The compiled function for ``key`` (a repr-stable tuple), as a TVM-FFI function taking the
     kernel's arguments positionally: loaded from the directory if an entry of this key and these
     sources exists, else ``compile_fn()`` (a ``jit.compile_kernel`` result), then exported there."""
+    t0 = time.perf_counter()
     d = directory()
     if d is None:
         stats["compiled"] += 1
-        return raw_function(compile_fn())
+        fn = raw_function(compile_fn())
+        stats["compile_s"] += time.perf_counter() - t0
+        return fn
     name = entry_name(key)
     path = d / f"{name}.o"
     if path.is_file():
@@ -103,6 +108,7 @@ def load_or_compile(key, compile_fn):
 
             fn = load_module(str(path), enable_tvm_ffi=True)[name]
             stats["loaded"] += 1
+            stats["load_s"] += time.perf_counter() - t0
             return fn
         except Exception as e:  # noqa: BLE001 - a damaged entry is recompiled, never fatal
             print(f"dsv4_attention: cache entry {path} did not load ({type(e).__name__}: {e}); recompiling",
@@ -119,6 +125,7 @@ def load_or_compile(key, compile_fn):
         # recompile in the next process, nothing more
         print(f"dsv4_attention: could not write cache entry {path}: {type(e).__name__}: {str(e)[-300:]}",
               file=sys.stderr)
+    stats["compile_s"] += time.perf_counter() - t0
     return raw_function(fn)
 
 

@@ -25,5 +25,7 @@ def __getattr__(name):
     if name in __all__:
         from dsv4_attention import stages
 
-        return getattr(stages, name)
+        value = getattr(stages, name)
+        globals()[name] = value  # once: later lookups skip this hook (host time per call)
+        return value
     raise AttributeError(f"module 'dsv4_attention' has no attribute {name!r}")

@@ -147,6 +147,28 @@ def test_dsv4_checker_rejects_shards_without_their_halo(tmp_path):
     assert dsv4_error([3, 40, 27], [0, 10, 7], 5, 0, tmp_path, wrong="no_halo") > 1e-3
 
 
+def _work(a: int, b: int, left: int, ratio: int, topk: int) -> float:
+    """Tokens a..b-1's cost, counted one by one (an independent count of dsv4_bounds' model)."""
+    w = 0.0
+    for t in range(a + 1, b + 1):
+        seen = t // ratio
+        w += cp.TOKEN_COST_IN_KEYS + min(t, left + 1) + (min(seen, topk) if topk else seen)
+    return w
+
+
+@pytest.mark.parametrize("seqlen,world,ratio,topk", [(20000, 2, 128, 0), (9001, 3, 4, 512), (5, 2, 4, 0)])
+def test_dsv4_bounds_give_every_rank_the_same_work(seqlen, world, ratio, topk):
+    b = cp.dsv4_bounds(seqlen, world, compress_ratio=ratio, topk=topk or None)
+    assert b[0] == 0 and b[-1] == seqlen and b == sorted(b)
+    work = [_work(b[r], b[r + 1], 127, ratio, topk) for r in range(world)]
+    most_per_token = cp.TOKEN_COST_IN_KEYS + 128 + seqlen
+    assert max(work) - min(work) <= most_per_token, (b, work)  # equal within one token
+    if seqlen > 1000 and not topk:  # negative control: the even split is unbalanced
+        even = [seqlen * r // world for r in range(world + 1)]
+        w_even = [_work(even[r], even[r + 1], 127, ratio, topk) for r in range(world)]
+        assert max(w_even) - min(w_even) > 10 * most_per_token
+
+
 def test_zigzag_shards_cover_the_sequence_once():
     x = torch.arange(23)[None]
     for world in (1, 2, 3, 5):

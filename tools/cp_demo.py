@@ -17,7 +17,8 @@ same kernel calls replayed without communication or merges; the rest of the call
 communication the schedule did not hide).
 
 Cases: ``dsv4``, DeepSeek-V4's HCA layer (128 heads on one K = V head, hd 512, window 127,
-compressed entries of ratio 128, sink), contiguous shards; ``ring``, dense causal GQA (32 heads
+compressed entries of ratio 128, sink), contiguous shards of equal work (``dsv4_bounds``);
+``ring``, dense causal GQA (32 heads
 on 4, hd 128), zig-zag shards around a ring.
 """
 
@@ -92,7 +93,7 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     kv = torch.randn(1, seqlen, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
     ckv = torch.randn(1, seqlen // ratio, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
     sink = torch.randn(h, device="cuda", generator=g)
-    bounds = [seqlen * r // world for r in range(world + 1)]
+    bounds = cp.dsv4_bounds(seqlen, world, compress_ratio=ratio)  # contiguous, equal work per rank
     cb = [(ckv.shape[1]) * r // world for r in range(world + 1)]
     s0, s1 = bounds[rank], bounds[rank + 1]
     mine = {"q": q[:, s0:s1], "kv": kv[:, s0:s1], "compressed_kv": ckv[:, cb[rank]:cb[rank + 1]]}
@@ -100,7 +101,8 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
                                         compress_ratio=ratio, learnable_sink=sink)
     kw = {"compressed_kv": ckv, "compress_ratio": ratio, "causal": True, "window_size": (127, 0),
           "learnable_sink": sink}
-    row = {"case": f"dsv4 HCA h{h} hd{d} ratio {ratio} seqlen {seqlen}", "world": world, "shards": "contiguous",
+    row = {"case": f"dsv4 HCA h{h} hd{d} ratio {ratio} seqlen {seqlen}", "world": world,
+           "shards": "contiguous, equal work", "bounds": bounds,
            "cp_ms": timed(call)}
     row["single_ms"] = timed(lambda: e_fused.forward(q, kv, **kw), group=False) if rank == 0 else None
 

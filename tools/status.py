@@ -150,7 +150,9 @@ def _report_section(name: str, rep: dict) -> str:
                     + ", ".join(f"{k} {v} us" for k, v in r["us_per_call"].items()) + "."]
         else:
             out += ["", f"First call of a configuration in a {r['case']}: "
-                    + ", ".join(f"{k} {v['s']} s ({v['compiled']} compiled, {v['loaded']} loaded)"
+                    + ", ".join(f"{k} {v['s']} s ({v['compiled']} compiled, {v['loaded']} loaded"
+                                + "".join(f", {n} {v[n]} s" for n in ("dsl_import_s", "load_s", "compile_s",
+                                                                       "second_call_s") if n in v) + ")"
                                 for k, v in r["first_call"].items()) + "."]
     if rows:
         peers = sorted({p for r in rows for p in r.get("peers", {})})

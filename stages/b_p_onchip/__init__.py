@@ -44,7 +44,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     o like q and lse [batch, heads, seqlen_q]; written into ``out`` / ``lse_out`` when given.
     """
     return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
-                                       KV_TILE, " (one KV tile); stage C serves longer sequences")
+                                       KV_TILE, " (one KV tile); stage C serves longer sequences", plan=())
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:

@@ -42,7 +42,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     dividing heads. Returns (o, lse): o like q, lse [batch, heads, seqlen_q]; written into
     ``out`` / ``lse_out`` when given.
     """
-    return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out)
+    return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out, plan=())
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:

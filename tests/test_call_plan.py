@@ -1,0 +1,135 @@
+"""Validate once per signature (common/call_plan.py), on the CPU: the kernel is a recorder, so
+what is checked is what a planned call hands the compiled function against what the full path
+hands it for the same tensors, and which calls must never be planned."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from dsv4_attention.common import call_plan, interface, jit
+from dsv4_attention.stages import c_online_softmax, d1_smem_p, e_fused
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """The compiled function replaced by a recorder of its arguments; sm90 taken for CPU tensors."""
+    calls = []
+    monkeypatch.setattr(interface, "arch_of_device", lambda device: "sm90")
+    monkeypatch.setattr(jit, "stage_kernel", lambda *a, **k: (lambda *args: calls.append(args)))
+    call_plan.clear()
+    yield calls
+    call_plan.clear()
+
+
+def bshd(b, s, h, d, offset=0):
+    """A fresh bf16 tensor; ``offset`` elements into its storage (8 bf16 = 16 bytes)."""
+    t = torch.randn(b * s * h * d + offset, dtype=torch.bfloat16)
+    return t[offset:].view(b, s, h, d)
+
+
+def same_args(a, b) -> bool:
+    return len(a) == len(b) and all((x is y) if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)
+                                    else x == y and type(x) is type(y) for x, y in zip(a, b, strict=True))
+
+
+def inputs(kind):
+    q = bshd(2, 100, 8, 128)
+    kv = bshd(2, 300, 2, 128)
+    if kind == "kv_shared":
+        return (q, kv, kv), {}
+    if kind == "window_sink":
+        return (q, kv, bshd(2, 300, 2, 128)), {"causal": True, "window_size": (63, 0), "learnable_sink": torch.randn(8)}
+    if kind == "compressed":
+        return (q, kv, kv), {"causal": True, "window_size": (127, 0), "compressed_kv": bshd(2, 20, 2, 128),
+                             "compress_ratio": 4, "learnable_sink": torch.randn(8), "kv_start": 1000}
+    return (q, kv, bshd(2, 300, 2, 128)), {"softmax_scale": 0.1}
+
+
+def fresh_like(args, kw):
+    """Other tensors of the same signature (K = V kept as one tensor)."""
+    q, k, v = args
+    k2 = bshd(*k.shape)
+    v2 = k2 if v is k else bshd(*v.shape)
+    kw2 = {n: (bshd(*x.shape) if x.dim() == 4 else torch.randn(x.shape)) if isinstance(x, torch.Tensor) else x
+           for n, x in kw.items()}
+    return (bshd(*q.shape), k2, v2), kw2
+
+
+@pytest.mark.parametrize("kind", ["plain", "kv_shared", "window_sink", "compressed"])
+def test_a_planned_call_hands_the_kernel_what_the_full_path_does(kernel, kind):
+    args, kw = inputs(kind)
+    e_fused.forward(*args, **kw)
+    assert call_plan.size() == 1
+    args2, kw2 = fresh_like(args, kw)
+    o, lse = e_fused.forward(*args2, **kw2)  # planned: the same signature
+    planned = kernel[-1]
+    assert planned[3] is o and planned[4] is lse and o.shape == args2[0].shape and lse.shape == (2, 8, 100)
+    call_plan.clear()
+    e_fused.forward(*args2, **kw2, out=o, lse_out=lse)  # the full path, on the same tensors and outputs
+    assert same_args(planned, kernel[-1]), (planned[5:], kernel[-1][5:])
+
+
+def test_the_comparison_rejects_a_plan_that_keeps_the_first_calls_tensor(kernel):
+    """Negative control: a plan that did not put the call's sink in its slot hands the kernel
+    the first call's sink, and the comparison above must see it."""
+    args, kw = inputs("window_sink")
+    e_fused.forward(*args, **kw)
+    (plan,) = call_plan._PLANS.values()
+    first_sink = kw["learnable_sink"]
+    plan.tail, plan.slots = [first_sink if i == plan.slots[0][0] else a for i, a in enumerate(plan.tail)], ()
+    args2, kw2 = fresh_like(args, kw)
+    o, lse = e_fused.forward(*args2, **kw2)
+    planned = kernel[-1]
+    call_plan.clear()
+    e_fused.forward(*args2, **kw2, out=o, lse_out=lse)
+    assert not same_args(planned, kernel[-1])
+
+
+def test_stages_c_and_d1_are_planned_too(kernel):
+    for fwd, kw in ((c_online_softmax.forward, {}), (d1_smem_p.forward, {"p_in_smem": True})):
+        call_plan.clear()
+        q, k, v = bshd(1, 64, 4, 128), bshd(1, 64, 4, 128), bshd(1, 64, 4, 128)
+        fwd(q, k, v, **kw)
+        q2, k2, v2 = bshd(1, 64, 4, 128), bshd(1, 64, 4, 128), bshd(1, 64, 4, 128)
+        o, lse = fwd(q2, k2, v2, **kw)
+        planned = kernel[-1]
+        call_plan.clear()
+        fwd(q2, k2, v2, **kw, out=o, lse_out=lse)
+        assert call_plan.size() == 1 and same_args(planned, kernel[-1])
+
+
+def test_bad_input_after_a_good_call_is_still_refused(kernel):
+    args, kw = inputs("window_sink")
+    e_fused.forward(*args, **kw)
+    q, k, v = args
+    with pytest.raises(ValueError, match="16-byte aligned"):  # same signature, misaligned data pointer
+        e_fused.forward(bshd(*q.shape, offset=1), k, v, **kw)
+    with pytest.raises(ValueError, match="pack_gqa"):  # 1 is not True: the type is in the signature
+        e_fused.forward(q, k, v, **kw, pack_gqa=1)
+    e_fused.forward(q, k, v, **kw, pack_gqa=True)
+    with pytest.raises(ValueError, match="pack_gqa"):
+        e_fused.forward(q, k, v, **kw, pack_gqa=1)
+    with pytest.raises(ValueError, match="learnable_sink"):
+        e_fused.forward(q, k, v, **{**kw, "learnable_sink": torch.randn(8, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="out must be"):
+        e_fused.forward(q, k, v, **kw, out=torch.empty(1))
+
+
+def test_calls_whose_checks_read_values_are_never_planned(kernel):
+    q, k = bshd(2, 100, 8, 128), bshd(2, 300, 2, 128)
+    e_fused.forward(q, k, k, seqused_k=torch.tensor([300, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqused_k values"):  # checked again on every call
+        e_fused.forward(q, k, k, seqused_k=torch.tensor([301, 10], dtype=torch.int32))
+    assert call_plan.size() == 0
+
+
+def test_a_plan_keeps_no_tensor_of_the_call_alive(kernel):
+    args, kw = inputs("compressed")
+    e_fused.forward(*args, **kw)
+    refs = [weakref.ref(t) for t in (*args, *[x for x in kw.values() if isinstance(x, torch.Tensor)])]
+    del args, kw
+    kernel.clear()  # the recorder's own references
+    gc.collect()
+    assert call_plan.size() == 1 and all(r() is None for r in refs)
