@@ -1,0 +1,55 @@
+"""Stage E's cases for Nsight Compute: each kernel launched once to warm up (compile, first
+launch), then once more inside the NVTX range ``profiled``, so that
+
+    ncu --nvtx --nvtx-include "profiled/" --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --metrics <...> python -m tools.profile_e
+
+profiles, in order: index mode (128 heads, top-1024 of 32k rows, 4096 tokens), FlashMLA's sparse
+prefill on the same tensors (the device pack's ``flashmla_peer``), and DeepSeek-V4 HCA decode
+(64 requests x 1 token, 64k keys, 512 entries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tools.bench import dsv4_layer
+
+
+def main() -> int:
+    from dsv4_attention.stages import e_fused
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    s_q, s_kv, heads, k = 4096, 32768, 128, 1024
+    q = torch.randn(s_q, heads, 512, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 512, device=dev, dtype=torch.bfloat16)
+    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()
+    sink = torch.randn(heads, device=dev)
+    scale = 512 ** -0.5
+    c = dsv4_layer(dev, 64, 1, 65536, None)
+    kw = {"compressed_kv": c["compressed_kv"], "compress_ratio": c["compress_ratio"],
+          "learnable_sink": c["learnable_sink"], "causal": True, "window_size": (127, 0)}
+    calls = [("index mode", lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale))]
+    try:
+        import flashmla_peer
+
+        calls.append(("flashmla sparse prefill", lambda: flashmla_peer.sparse_prefill_fwd(q, kv, idx, scale, 512,
+                                                                                           sink, None)))
+    except ImportError as e:
+        print(f"no FlashMLA: {e}")
+    calls.append(("HCA decode b64 sk64k", lambda: e_fused.forward(c["q"], c["kv"], **kw)))
+    for _, call in calls:  # warm-up: compile and first launch, one launch of each kernel
+        call()
+    torch.cuda.synchronize()
+    print("profiled, in order:", [n for n, _ in calls], flush=True)
+    torch.cuda.nvtx.range_push("profiled")
+    for _, call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
