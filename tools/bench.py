@@ -413,6 +413,15 @@ def decode_row(dev, sq: int, sk: int, topk: int | None, copy: float) -> dict:
     return row
 
 
+def index_inputs(dev, heads: int, k: int, s_kv: int, s_q: int) -> tuple:
+    """Index mode's inputs as FlashMLA's sparse prefill takes them: q [s_q, heads, 512], kv [s_kv,
+    1, 512] (K = V), indices [s_q, 1, k] (k distinct random rows per token), a sink, the scale."""
+    q = random_bshd(1, s_q, heads, 512, torch.bfloat16, dev)[0]
+    kv = random_bshd(1, s_kv, 1, 512, torch.bfloat16, dev)[0]
+    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()  # distinct rows
+    return q, kv, idx, torch.randn(heads, device=dev), 512 ** -0.5
+
+
 def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
     """Index mode against FlashMLA's sparse prefill (``flashmla_peer``, DeepSeek's kernel for this
     attention) on the same tensors: q [s_q, heads, 512], kv [s_kv, 1, 512] (K = V, FlashMLA's d_qk =
@@ -421,11 +430,7 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
     kernels that compute the same thing."""
     from dsv4_attention.stages import e_fused
 
-    q = random_bshd(1, s_q, heads, 512, torch.bfloat16, dev)[0]
-    kv = random_bshd(1, s_kv, 1, 512, torch.bfloat16, dev)[0]
-    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()  # distinct rows
-    sink = torch.randn(heads, device=dev)
-    scale = 512 ** -0.5
+    q, kv, idx, sink, scale = index_inputs(dev, heads, k, s_kv, s_q)
     o = torch.empty_like(q)
     ms = bench.time_ms([lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale, out=o)])
     flop = 4 * s_q * k * heads * 512

@@ -72,9 +72,11 @@ class Recorder:
             self.fn(*args, **kw)
 
 
-def add_kernel_time(row: dict, call_with) -> None:
-    """row["kernels_ms"]: the slowest rank's kernels alone; ``unhidden_ms``: the rest of the call."""
-    rec = call_with()
+def add_kernel_time(row: dict, call, fn) -> None:
+    """row["kernels_ms"]: the slowest rank's kernels alone (``call(attention)`` once with a
+    ``Recorder`` of ``fn``, then its kernel calls replayed); ``unhidden_ms``: the rest of the call."""
+    rec = Recorder(fn)
+    call(rec)
     row["kernels_ms"] = timed(rec.replay)
     row["unhidden_ms"] = max(0.0, row["cp_ms"] - row["kernels_ms"])
     row["unhidden_share"] = round(row["unhidden_ms"] / row["cp_ms"], 3)
@@ -97,22 +99,16 @@ def dsv4_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     cb = [(ckv.shape[1]) * r // world for r in range(world + 1)]
     s0, s1 = bounds[rank], bounds[rank + 1]
     mine = {"q": q[:, s0:s1], "kv": kv[:, s0:s1], "compressed_kv": ckv[:, cb[rank]:cb[rank + 1]]}
-    call = lambda: cp.dsv4_attention_cp(mine["q"], mine["kv"], compressed_kv=mine["compressed_kv"],  # noqa: E731
-                                        compress_ratio=ratio, learnable_sink=sink)
+    call = lambda attention=None: cp.dsv4_attention_cp(  # noqa: E731
+        mine["q"], mine["kv"], compressed_kv=mine["compressed_kv"], compress_ratio=ratio, learnable_sink=sink,
+        attention=attention)
     kw = {"compressed_kv": ckv, "compress_ratio": ratio, "causal": True, "window_size": (127, 0),
           "learnable_sink": sink}
     row = {"case": f"dsv4 HCA h{h} hd{d} ratio {ratio} seqlen {seqlen}", "world": world,
            "shards": "contiguous, equal work", "bounds": bounds,
            "cp_ms": timed(call)}
     row["single_ms"] = timed(lambda: e_fused.forward(q, kv, **kw), group=False) if rank == 0 else None
-
-    def recorded():
-        rec = Recorder(e_fused.forward)
-        cp.dsv4_attention_cp(mine["q"], mine["kv"], compressed_kv=mine["compressed_kv"], compress_ratio=ratio,
-                             learnable_sink=sink, attention=rec)
-        return rec
-
-    add_kernel_time(row, recorded)
+    add_kernel_time(row, call, e_fused.forward)
     row["tflop"] = e_fused.flops(1, seqlen, seqlen, h, d, True, (127, 0), ratio, ckv.shape[1]) / 1e12
     if check:
         o_cp, _ = call()
@@ -141,17 +137,11 @@ def ring_case(seqlen: int, rank: int, world: int, check: bool) -> dict:
     k = torch.randn(1, seqlen, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(1, seqlen, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     mine = [cp.zigzag_shard(x, rank, world) for x in (q, k, v)]
-    call = lambda: cp.ring_attention_cp(*mine, seqlen=seqlen)  # noqa: E731
+    call = lambda attention=None: cp.ring_attention_cp(*mine, seqlen=seqlen, attention=attention)  # noqa: E731
     row = {"case": f"dense causal GQA h{h}/{hk} hd{d} seqlen {seqlen}", "world": world, "shards": "zig-zag ring",
            "cp_ms": timed(call)}
     row["single_ms"] = timed(lambda: d4_causal_window.forward(q, k, v, causal=True), group=False) if rank == 0 else None
-
-    def recorded():
-        rec = Recorder(d4_causal_window.forward)
-        cp.ring_attention_cp(*mine, seqlen=seqlen, attention=rec)
-        return rec
-
-    add_kernel_time(row, recorded)
+    add_kernel_time(row, call, d4_causal_window.forward)
     row["tflop"] = d4_causal_window.flops(1, seqlen, seqlen, h, d, causal=True) / 1e12
     if check:
         o_cp, _ = call()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tools.bench import dsv4_layer
+from tools.bench import dsv4_layer, index_inputs
 
 
 def main() -> int:
@@ -21,12 +21,7 @@ def main() -> int:
 
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
-    s_q, s_kv, heads, k = 4096, 32768, 128, 1024
-    q = torch.randn(s_q, heads, 512, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(s_kv, 1, 512, device=dev, dtype=torch.bfloat16)
-    idx = torch.rand(s_q, s_kv, device=dev).topk(k, dim=1).indices.int()[:, None].contiguous()
-    sink = torch.randn(heads, device=dev)
-    scale = 512 ** -0.5
+    q, kv, idx, sink, scale = index_inputs(dev, 128, 1024, 32768, 4096)  # index_row's inputs
     c = dsv4_layer(dev, 64, 1, 65536, None)
     kw = {"compressed_kv": c["compressed_kv"], "compress_ratio": c["compress_ratio"],
           "learnable_sink": c["learnable_sink"], "causal": True, "window_size": (127, 0)}
