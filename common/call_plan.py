@@ -85,12 +85,14 @@ def key_of(stage_id: str, q, k, v, softmax_scale, out, lse_out, plan, extra: tup
         return None
 
 
-def replay(key, q, k, v, out, lse_out, extra: tuple):
-    """The planned call's (o, lse) for a signature seen before (and data pointers aligned), else None."""
+def lookup(stage_id: str, q, k, v, softmax_scale, out, lse_out, plan, extra: tuple) -> tuple:
+    """(signature, result): the planned call's (o, lse) when the signature has a plan and the data
+    pointers are aligned, else None, with the signature for the full path to ``record``."""
+    key = key_of(stage_id, q, k, v, softmax_scale, out, lse_out, plan, extra)
     planned = None if key is None else _PLANS.get(key)
     if planned is None or not aligned(q, k, v, out, *extra):
-        return None
-    return planned(q, k, v, out, lse_out, extra)
+        return key, None
+    return key, planned(q, k, v, out, lse_out, extra)
 
 
 def record(key, fn, args: list, extra: tuple) -> None:

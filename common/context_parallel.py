@@ -110,7 +110,7 @@ def dsv4_bounds(seqlen: int, world: int, *, window_left: int = 127, compress_rat
     same work. Token t costs ``token_cost`` + its keys: min(t + 1, window_left + 1) raw rows plus
     its compressed entries, floor((t + 1) / ratio) of them (at most ``topk`` with top-k lists).
     Equal token counts would not balance: later tokens see more compressed entries, so with HCA at
-    256k tokens an even split leaves the second of 2 ranks 44 % more work than the first."""
+    256k tokens an even split leaves the second of 2 ranks 2.2 times the first's work."""
     import numpy as np
 
     t = np.arange(1, seqlen + 1, dtype=np.float64)

@@ -68,8 +68,7 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     signature, where the caller already looked it up (and found no plan)."""
     key = plan_key
     if plan is not None and key is None:
-        key = call_plan.key_of(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
-        done = call_plan.replay(key, q, k, v, out, lse_out, plan_tensors)
+        key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
         if done is not None:
             return done
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
@@ -162,9 +161,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     plan = plan_key = None
     if not varlen and seqused_k is None and topk_indices is None:  # else a check reads values: every call
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode)
-        plan_key = call_plan.key_of(stage_id, q, k, v, softmax_scale, out, lse_out, plan,
-                                    (learnable_sink, compressed_kv))
-        done = call_plan.replay(plan_key, q, k, v, out, lse_out, (learnable_sink, compressed_kv))
+        plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan,
+                                          (learnable_sink, compressed_kv))
         if done is not None:
             return done
     from dsv4_attention.common.pack_heads import pack_group
