@@ -73,6 +73,14 @@ def bench(session):
 
 
 @nox.session
+def warmup(session):
+    """Compile every configuration of the presets into the kernel cache, in parallel (no GPU needed):
+    `nox -s warmup -- --preset dsv4 --arch sm90`."""
+    _install(session)
+    session.run(_python(session), "-m", "dsv4_attention.common.warmup", *session.posargs)
+
+
+@nox.session
 def demo(session):
     _install(session)
     session.run(_python(session), "-m", "tools.demo", *session.posargs)

@@ -12,6 +12,11 @@ slot. A later call with the same signature checks what the signature does not ho
 16-byte alignment of its data pointers) and calls the function with its own tensors in the
 slots: no checks repeated, no options rebuilt, no kernel lookup.
 
+The library's entry (``dsv4_attention.attention``) keeps its own plans, keyed by the arguments as
+the caller gave them (:func:`entry_key`), so a repeated call skips the layers between the entry
+and the kernel (the stage's keyword passing, the option normalisation, the signature above):
+the plan its first call recorded or replayed is filed under that key as well (:func:`entry_run`).
+
 What is never planned: a call whose validation reads tensor *values* (per-request lengths,
 variable-length offsets, top-k lists: their bounds are checked on every call), a call with no
 key (decided on the host, no launch), and any argument list holding a tensor that is not one
@@ -20,11 +25,17 @@ of the call's slots (a plan must never keep a caller's tensor alive or reuse it)
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from dsv4_attention.common import jit
 
 _PLANS: dict = {}
+#: the library entry's plans (``dsv4_attention.attention``), keyed by the call's own arguments
+_ENTRY: dict = {}
+#: the plan the current thread's last call recorded or replayed (what the entry keeps)
+_last = threading.local()
 #: plans kept at most (a signature per shape: a server's distinct shapes are far fewer)
 LIMIT = 4096
 
@@ -55,14 +66,14 @@ class Plan:
     """The compiled function with its arguments: slots 0-4 are q, k, v, o, lse; ``slots`` maps
     each further argument position to an index into the call's extra tensors."""
 
-    __slots__ = ("fn", "tail", "slots", "lse_shape")
+    __slots__ = ("fn", "tail", "slots", "lse_shape", "device")
 
-    def __init__(self, fn, tail: list, slots: tuple, lse_shape: tuple):
-        self.fn, self.tail, self.slots, self.lse_shape = fn, tail, slots, lse_shape
+    def __init__(self, fn, tail: list, slots: tuple, lse_shape: tuple, device):
+        self.fn, self.tail, self.slots, self.lse_shape, self.device = fn, tail, slots, lse_shape, device
 
     def __call__(self, q, k, v, out, lse_out, extra):
         o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+        lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device) if lse_out is None else lse_out
         tail = self.tail
         if self.slots:
             tail = list(tail)
@@ -92,6 +103,7 @@ def lookup(stage_id: str, q, k, v, softmax_scale, out, lse_out, plan, extra: tup
     planned = None if key is None else _PLANS.get(key)
     if planned is None or not aligned(q, k, v, out, *extra):
         return key, None
+    _last.plan = planned
     return key, planned(q, k, v, out, lse_out, extra)
 
 
@@ -111,11 +123,71 @@ def record(key, fn, args: list, extra: tuple) -> None:
         tail.append(a)
     if len(_PLANS) >= LIMIT:
         _PLANS.clear()
-    _PLANS[key] = Plan(fn, tail, tuple(slots), tuple(args[4].shape))
+    _PLANS[key] = _last.plan = Plan(fn, tail, tuple(slots), tuple(args[4].shape), args[0].device)
+
+
+def entry_key(q, k, v, a, b, c, d, scalars: tuple, window):
+    """The signature of a call at the library's entry, from its arguments as given: q, k, v (None:
+    K = V), four further tensors (each None or a tensor), the ``scalars`` with their types, and the
+    ``window`` pair with its elements' types (1 and True differ there too). Written out flat: it
+    is most of a planned call's Python time. None where one cannot be formed (an input that is not
+    a tensor): the full path then says why; an unhashable one (a list for the window) finds no
+    plan and takes the full path too."""
+    try:
+        return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+                None if v is None else (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() == k.data_ptr()),
+                None if a is None else (a.shape, a.stride(), a.dtype, a.device),
+                None if b is None else (b.shape, b.stride(), b.dtype, b.device),
+                None if c is None else (c.shape, c.stride(), c.dtype, c.device),
+                None if d is None else (d.shape, d.stride(), d.dtype, d.device),
+                scalars, tuple(map(type, scalars)), window, tuple(map(type, window)))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def entry_call(key, q, k, v, out, lse_out, extra: tuple):
+    """The entry's planned call: (o, lse), or None when ``key`` has no plan or a data pointer is
+    not 16-byte aligned (the full path then runs, and refuses what it must)."""
+    try:
+        planned = _ENTRY.get(key)
+    except TypeError:  # unhashable
+        return None
+    if planned is None:
+        return None
+    bits = q.data_ptr() | k.data_ptr() | v.data_ptr() | (0 if out is None else out.data_ptr())
+    for t in extra:
+        if t is not None and t.dim() == 4:
+            bits |= t.data_ptr()
+    if bits & 15:
+        return None
+    return planned(q, k, v, out, lse_out, extra)
+
+
+def entry_run(key, full_path):
+    """Run the entry's full path; file the plan it recorded or replayed under ``key``."""
+    _last.plan = None
+    result = full_path()
+    planned = _last.plan
+    if key is not None and planned is not None:
+        try:
+            hash(key)
+        except TypeError:  # e.g. a list for the window: never planned
+            return result
+        if len(_ENTRY) >= LIMIT:
+            _ENTRY.clear()
+        _ENTRY[key] = planned
+    return result
+
+
+def plan_of(key):
+    """The plan recorded under a signature (``key_of``), or None: for a benchmark that times the
+    compiled function alone."""
+    return _PLANS.get(key)
 
 
 def clear() -> None:
     _PLANS.clear()
+    _ENTRY.clear()
 
 
 def size() -> int:

@@ -59,6 +59,9 @@ class _Stream:
     def __repr__(self):
         return "STREAM"
 
+    def __reduce__(self):  # pickled (to a warm-up worker) as the one STREAM, which call_args drops by identity
+        return "STREAM"
+
 
 #: where a kernel's argument list holds its CUDA stream (torch's current one at call time)
 STREAM = _Stream()
@@ -154,6 +157,11 @@ def kernel_maker(kernels: dict):
     return make_kernel
 
 
+def config_key(stage_id: str, arch: str, dtype, head_dim: int, options: dict) -> tuple:
+    """A kernel configuration's key (in this process's dict and, hashed, in the kernel cache)."""
+    return (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())))
+
+
 def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args, options: dict | None = None):
     """The compiled kernel of a stage for (arch, dtype, head dim, compile-time options),
     compiled on first use (against ``compile_args(args)``): a TVM-FFI function taking
@@ -161,7 +169,7 @@ def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, 
     from dsv4_attention.common import kernel_cache
 
     options = dict(options or {})
-    key = (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())))
+    key = config_key(stage_id, arch, dtype, head_dim, options)
     build = lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options), args, arch)
     return cached(key, lambda: kernel_cache.load_or_compile(key, build))
 

@@ -30,7 +30,10 @@ run unpacked (``pack_gqa=None``) or are refused (``pack_gqa=True``).
 
 from __future__ import annotations
 
-import cutlass.cute as cute
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the host's choice of group runs on every call: no DSL import for it
+    import cutlass.cute as cute
 
 
 def packable(group: int, tile_m: int) -> bool:
@@ -64,6 +67,8 @@ def fold_heads(t: cute.Tensor, seq_mode: int, head_mode: int, group: int) -> cut
     """``t`` with ``group`` consecutive heads folded into its seqlen mode (see the module
     docstring): mode ``seq_mode`` becomes (group, seqlen) : (head_stride, seq_stride) and
     mode ``head_mode`` becomes heads / group : group * head_stride. group = 1 returns t."""
+    import cutlass.cute as cute
+
     if group == 1:
         return t
     shape, stride = list(t.layout.shape), list(t.layout.stride)
@@ -76,6 +81,8 @@ def fold_heads(t: cute.Tensor, seq_mode: int, head_mode: int, group: int) -> cut
 
 def rows(t: cute.Tensor, seq_mode: int = 0):
     """The number of (packed) rows of a Q / O / LSE view: size of its seqlen mode."""
+    import cutlass.cute as cute
+
     return cute.size(t, mode=[seq_mode])
 
 

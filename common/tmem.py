@@ -60,8 +60,10 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
+from dsv4_attention.common.tiles import SM100_TILE_M
+
 #: rows of the QK tile = TMEM lanes = MMA M (cta_group::1)
-QK_TILE_M = 128
+QK_TILE_M = SM100_TILE_M
 #: columns of the QK tile = fp32 TMEM columns of the accumulator
 QK_TILE_N = 128
 #: the instruction K of a 16-bit tcgen05 MMA

@@ -11,6 +11,8 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
+from dsv4_attention.common import call_plan
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -70,12 +72,24 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row with no visible key has
     O = 0 and LSE = -inf).
     """
-    return get(FINAL).forward(q, k, v, compressed_kv=compressed_kv, compress_ratio=compress_ratio,
-                              topk_indices=topk_indices,
-                              softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
-                              pack_gqa=pack_gqa, out=out, lse_out=lse_out)
+    key = None
+    if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        # validated once per signature (common/call_plan.py): a repeated one goes to its kernel
+        key = call_plan.entry_key(q, k, v, compressed_kv, learnable_sink, out, lse_out,
+                                  (softmax_scale, causal, compress_ratio, pack_gqa, max_seqlen_q, max_seqlen_k),
+                                  window_size)
+        if key is not None:
+            # extra: the final stage's plan tensors, in masked_attention_forward's order
+            done = call_plan.entry_call(key, q, k, k if v is None else v, out, lse_out,
+                                        (learnable_sink, compressed_kv))
+            if done is not None:
+                return done
+    final = get(FINAL).forward
+    return call_plan.entry_run(key, lambda: final(
+        q, k, v, compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, seqused_k=seqused_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        learnable_sink=learnable_sink, pack_gqa=pack_gqa, out=out, lse_out=lse_out))
 
 
 def get(stage_id: str) -> Stage:

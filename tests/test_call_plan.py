@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 
+import dsv4_attention
 from dsv4_attention.common import call_plan, interface, jit
 from dsv4_attention.stages import c_online_softmax, d1_smem_p, e_fused
 
@@ -133,3 +134,88 @@ def test_a_plan_keeps_no_tensor_of_the_call_alive(kernel):
     kernel.clear()  # the recorder's own references
     gc.collect()
     assert call_plan.size() == 1 and all(r() is None for r in refs)
+
+
+# ---- the library's entry (dsv4_attention.attention): plans keyed by the arguments as given ----
+
+def entry_inputs(kind):
+    args, kw = inputs(kind)
+    kw.pop("kv_start", None)  # not an argument of the library's entry
+    if kind == "kv_shared":
+        args = args[:2] + (None,)  # v None: K = V
+    return args, kw
+
+
+@pytest.mark.parametrize("kind", ["plain", "kv_shared", "window_sink", "compressed"])
+def test_the_entry_hands_the_kernel_what_the_full_path_does(kernel, kind):
+    args, kw = entry_inputs(kind)
+    dsv4_attention.attention(*args, **kw)
+    assert len(call_plan._ENTRY) == 1
+    args2, kw2 = fresh_like(args[:2] + (args[1] if args[2] is None else args[2],), kw)
+    if args[2] is None:
+        args2 = args2[:2] + (None,)
+    o, lse = dsv4_attention.attention(*args2, **kw2)  # the entry's plan
+    planned = kernel[-1]
+    assert planned[3] is o and planned[4] is lse
+    call_plan.clear()
+    dsv4_attention.attention(*args2, **kw2, out=o, lse_out=lse)  # the full path on the same tensors
+    assert same_args(planned, kernel[-1]), (planned[5:], kernel[-1][5:])
+
+
+def test_the_entry_comparison_rejects_another_signatures_plan(kernel):
+    """Negative control: the plan of a call with another window, filed under this call's key,
+    hands the kernel that window's bounds, and the comparison above must see it."""
+    args, kw = entry_inputs("window_sink")
+    dsv4_attention.attention(*args, **{**kw, "window_size": (31, 0)})
+    (wrong,) = call_plan._ENTRY.values()
+    dsv4_attention.attention(*args, **kw)
+    (key,) = [key for key, plan in call_plan._ENTRY.items() if plan is not wrong]
+    call_plan._ENTRY[key] = wrong
+    args2, kw2 = fresh_like(args, kw)
+    o, lse = dsv4_attention.attention(*args2, **kw2)
+    planned = kernel[-1]
+    call_plan.clear()
+    dsv4_attention.attention(*args2, **kw2, out=o, lse_out=lse)
+    assert not same_args(planned, kernel[-1])
+
+
+def test_the_entry_still_refuses_bad_input_after_a_good_call(kernel):
+    args, kw = entry_inputs("window_sink")
+    q, k, v = args
+    dsv4_attention.attention(q, k, v, **kw)
+    dsv4_attention.attention(q, k, v, **kw)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        dsv4_attention.attention(bshd(*q.shape, offset=1), k, v, **kw)
+    kw_int = {**kw, "window_size": (63, 0)}
+    dsv4_attention.attention(q, k, v, **kw_int)
+    with pytest.raises(ValueError, match="window_size left"):  # True is not 63, nor 1: types are in the key
+        dsv4_attention.attention(q, k, v, **{**kw, "window_size": (True, 0)})
+    dsv4_attention.attention(q, k, v, **{**kw, "window_size": (1, 0)})
+    with pytest.raises(ValueError, match="window_size left"):
+        dsv4_attention.attention(q, k, v, **{**kw, "window_size": (True, 0)})
+    dsv4_attention.attention(q, k, v, **kw, pack_gqa=True)
+    with pytest.raises(ValueError, match="pack_gqa"):
+        dsv4_attention.attention(q, k, v, **kw, pack_gqa=1)
+    with pytest.raises(ValueError, match="causal"):
+        dsv4_attention.attention(q, k, v, **{**kw, "causal": 1})
+    with pytest.raises(ValueError, match="out must be"):
+        dsv4_attention.attention(q, k, v, **kw, out=torch.empty(1))
+    dsv4_attention.attention(q, k, v, **{**kw, "window_size": [63, 0]})  # a list: no key, the full path serves it
+
+
+def test_the_entry_files_a_plan_the_stage_made(kernel):
+    """A signature first planned by the final stage's own forward is filed at the entry on its
+    first entry call (the replayed plan), not recorded twice."""
+    args, kw = entry_inputs("compressed")
+    e_fused.forward(*args, **kw)
+    (plan,) = call_plan._PLANS.values()
+    dsv4_attention.attention(*args, **kw)
+    assert list(call_plan._ENTRY.values()) == [plan] and call_plan.size() == 1
+
+
+def test_the_entry_never_plans_calls_whose_checks_read_values(kernel):
+    q, k = bshd(2, 100, 8, 128), bshd(2, 300, 2, 128)
+    dsv4_attention.attention(q, k, seqused_k=torch.tensor([300, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqused_k values"):
+        dsv4_attention.attention(q, k, seqused_k=torch.tensor([301, 10], dtype=torch.int32))
+    assert call_plan.size() == 0 and not call_plan._ENTRY

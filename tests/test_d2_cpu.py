@@ -7,6 +7,7 @@ import torch
 
 from dsv4_attention.common.compile import assert_within_budget
 from dsv4_attention.stages import d2_pack_heads as stage
+from dsv4_attention.stages import e_fused
 
 pytestmark = [pytest.mark.stage_d2]
 
@@ -37,7 +38,28 @@ def test_pack_gqa_must_be_bool_or_none(pack_gqa):
 
 
 def test_tile_rows_are_the_kernels():
+    """The host's table (common/tiles.py, read without importing a kernel) against the tile_m of
+    every kernel object the calls build, for every head dim and option that changes the tiles."""
+    import cutlass
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import target_arch
+
     assert stage.tile_rows("sm90", 512, True, None) == 64
-    assert stage.tile_rows("sm90", 128, False, None) == 128
     assert stage.tile_rows("sm90", 64, False, None) == 192
-    assert stage.tile_rows("sm100", 512, True, None) == 128
+    checked = 0
+    for arch in ("sm90", "sm100"):
+        with target_arch(arch):
+            for d in stage.HEAD_DIMS:
+                for kv_shared in (False, True):
+                    for p_in_smem in (None, True, False):
+                        opts = {"kv_shared": kv_shared} if p_in_smem is None else {"kv_shared": kv_shared,
+                                                                                   "p_in_smem": p_in_smem}
+                        for kernels in (stage.KERNELS, e_fused.KERNELS):
+                            try:
+                                kernel = jit.kernel_class(kernels, arch)(cutlass.BFloat16, d, **opts)
+                            except ValueError:  # a configuration the kernel refuses (e.g. P in TMEM at 448)
+                                continue
+                            assert stage.tile_rows(arch, d, kv_shared, p_in_smem) == kernel.tile_m, (arch, d, opts)
+                            checked += 1
+    assert checked >= 80

@@ -1,8 +1,10 @@
 """Compiled kernels across processes (common/kernel_cache.py). On the CPU: an entry written by
-one process is loaded by the next instead of compiling, a damaged entry is recompiled, entries of
-other sources are never looked up (negative control: one changed byte changes the name), and the
-cache can be turned off. On a GPU: a fresh process that finds the entry runs the kernel with the
-same bits as the process that compiled it, and says how long its first call took."""
+one process is loaded by the next instead of compiling, as a shared library without importing
+CuTeDSL (where a C compiler links it; else as an object file through the DSL), a damaged entry
+is recompiled, entries of other sources are never looked up (negative control: one changed byte
+changes the name), and the cache can be turned off. On a GPU: a fresh process that finds the
+entry runs the kernel with the same bits as the process that compiled it, without importing the
+DSL, and says how long its first call took."""
 
 from __future__ import annotations
 
@@ -34,6 +36,18 @@ print(json.dumps({**kernel_cache.stats, "type": type(fn).__name__, "name": kerne
 """
 
 
+LOAD_CHILD = r"""
+import json, sys
+from dsv4_attention.common import kernel_cache
+def refuse():
+    raise AssertionError("compiled: the entry was not found")
+fn = kernel_cache.load_or_compile(("test_kernel_cache", "sm90", 64), refuse)
+print(json.dumps({**kernel_cache.stats, "type": type(fn).__name__, "dsl_imported": "cutlass" in sys.modules}))
+"""
+LINKS = shutil.which(os.environ.get("CC") or "cc") is not None
+SUFFIX = ".so" if LINKS else ".o"
+
+
 def run_child(code: str, cache_dir, **env) -> dict:
     e = dict(os.environ, DSV4_ATTENTION_CACHE_DIR=str(cache_dir), **env)
     e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
@@ -49,7 +63,7 @@ def run_child(code: str, cache_dir, **env) -> dict:
 def test_second_process_loads_instead_of_compiling(tmp_path):
     first = run_child(COMPILE_CHILD, tmp_path)
     assert (first["compiled"], first["written"], first["loaded"]) == (1, 1, 0)
-    entry = tmp_path / f"{first['name']}.o"
+    entry = tmp_path / f"{first['name']}{SUFFIX}"
     assert entry.is_file() and entry.stat().st_size > 0
     assert [p.name for p in tmp_path.iterdir()] == [entry.name], "no temporary file left behind"
 
@@ -62,6 +76,24 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     assert (third["compiled"], third["written"], third["loaded"]) == (1, 1, 0)
     assert "did not load" in third["stderr"]
     assert run_child(COMPILE_CHILD, tmp_path)["loaded"] == 1
+
+
+@pytest.mark.arch("sm90")
+@pytest.mark.compile
+@pytest.mark.skipif(not LINKS, reason="no C compiler ($CC or cc) to link entries: they stay object files, loaded "
+                                      "through the DSL")
+def test_a_loaded_entry_does_not_import_the_dsl(tmp_path):
+    assert run_child(COMPILE_CHILD, tmp_path)["written"] == 1
+    loaded = run_child(LOAD_CHILD, tmp_path)
+    assert (loaded["loaded"], loaded["loaded_so"], loaded["compiled"]) == (1, 1, 0)
+    assert loaded["type"] == "Function" and loaded["dsl_imported"] is False
+    # negative control: the object-file entry (no linker) loads only through the DSL, which it imports
+    (so,) = tmp_path.glob("*.so")
+    so.unlink()
+    assert run_child(COMPILE_CHILD, tmp_path, CC="/nonexistent/cc")["written"] == 1
+    assert [p.suffix for p in tmp_path.iterdir()] == [".o"]
+    loaded = run_child(LOAD_CHILD, tmp_path)
+    assert (loaded["loaded"], loaded["loaded_so"]) == (1, 0) and loaded["dsl_imported"] is True
 
 
 @pytest.mark.arch("sm90")
@@ -103,7 +135,7 @@ def test_directory_from_the_environment(monkeypatch, tmp_path):
 # ---- on a GPU: the loaded kernel runs, with the compiled one's bits -------------------------
 
 RUN_CHILD = r"""
-import hashlib, json, time, torch
+import hashlib, json, sys, time, torch
 import dsv4_attention
 from dsv4_attention.common import kernel_cache
 from dsv4_attention.common.reference import attention as reference
@@ -117,9 +149,11 @@ t0 = time.perf_counter()
 o, lse = dsv4_attention.attention(q, k, v, causal=True, window_size=(100, 0))
 torch.cuda.synchronize()
 first = time.perf_counter() - t0
+dsl = "cutlass" in sys.modules  # after the two calls, before anything else runs
 e = errors(o, reference(q, k, v, causal=True, window_size=(100, 0))[0])
 bits = hashlib.sha256(o.view(torch.int16).cpu().numpy().tobytes() + lse.cpu().numpy().tobytes()).hexdigest()
-print(json.dumps({**kernel_cache.stats, "first_call_s": first, "rel_fro": e.rel_fro, "bits": bits}))
+print(json.dumps({**kernel_cache.stats, "first_call_s": first, "rel_fro": e.rel_fro, "bits": bits,
+                  "dsl_imported": dsl}))
 """
 
 
@@ -131,4 +165,6 @@ def test_fresh_process_runs_the_loaded_kernel(arch, tmp_path):
     assert compiled["compiled"] >= 1 and compiled["loaded"] == 0
     assert loaded["compiled"] == 0 and loaded["loaded"] == compiled["compiled"]
     assert compiled["rel_fro"] < 4e-3 and loaded["bits"] == compiled["bits"]
+    if LINKS:  # the loaded process ran the kernel without importing CuTeDSL
+        assert loaded["loaded_so"] == loaded["loaded"] and loaded["dsl_imported"] is False
     print(f"first call: {compiled['first_call_s']:.3f} s compiling, {loaded['first_call_s']:.3f} s loading")

@@ -152,7 +152,10 @@ def _report_section(name: str, rep: dict) -> str:
             out += ["", f"First call of a configuration in a {r['case']}: "
                     + ", ".join(f"{k} {v['s']} s ({v['compiled']} compiled, {v['loaded']} loaded"
                                 + "".join(f", {n} {v[n]} s" for n in ("dsl_import_s", "load_s", "compile_s",
-                                                                       "second_call_s") if n in v) + ")"
+                                                                       "second_call_s", "imports_s") if n in v)
+                                + ("" if "dsl_imported" not in v
+                                   else ", CuTeDSL imported" if v["dsl_imported"] else ", CuTeDSL not imported")
+                                + ")"
                                 for k, v in r["first_call"].items()) + "."]
     if rows:
         peers = sorted({p for r in rows for p in r.get("peers", {})})

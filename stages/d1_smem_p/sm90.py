@@ -104,11 +104,9 @@ from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_
 from dsv4_attention.common.sm90_producer import load_q, load_q_k_v
 from dsv4_attention.common.smem_p import make_p_smem_layout, store_p
 from dsv4_attention.common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
+from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
-SPLIT_FROM = 320  # head dims from which two warpgroups split O's columns
-ROWS_TILES = {64: (192, 128), 128: (128, 128), 192: (128, 96), 256: (128, 80)}
-SPLIT_TILE = (64, 64)
 SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
 MAX_SLOTS = 4
 

@@ -10,11 +10,10 @@ option, chosen per call from the shapes (``pack_gqa``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dsv4_attention.common import interface, jit
+from dsv4_attention.common.tiles import q_tile_rows
 
 ID = "d2"
 NAME = "pack_heads"
@@ -36,13 +35,11 @@ make_kernel = jit.kernel_maker(KERNELS)
 example_args = interface.attention_example_args
 
 
-@functools.cache
 def tile_rows(arch: str, head_dim: int, kv_shared: bool, p_in_smem: bool | None) -> int:
-    """Rows of the kernel's Q tile for this configuration (what a group must pack into)."""
-    import cutlass
-
-    options = {"kv_shared": kv_shared} if p_in_smem is None else {"kv_shared": kv_shared, "p_in_smem": p_in_smem}
-    return jit.kernel_class(KERNELS, arch)(cutlass.BFloat16, head_dim, **options).tile_m
+    """Rows of the kernel's Q tile for this configuration (what a group must pack into): the
+    kernels' own table (common/tiles.py), read without importing them; K = V and P's staging do
+    not change it (tests/test_d2_cpu.py compares it with every kernel's tile_m)."""
+    return q_tile_rows(arch, head_dim)
 
 
 def forward(q, k, v, *, softmax_scale: float | None = None, pack_gqa: bool | None = None, out=None,

@@ -27,7 +27,6 @@ import math
 import torch
 
 from dsv4_attention.common import interface, jit
-from dsv4_attention.common.compressed import compressed_visible  # noqa: F401 - the formula, for callers
 from dsv4_attention.common.validation import check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import visible_pairs

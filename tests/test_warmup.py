@@ -1,0 +1,85 @@
+"""The warm-up (common/warmup.py), on the CPU: the configurations it compiles are the ones the
+call path looks up, so after it a fresh process serves those calls from the kernel cache without
+compiling (and without importing CuTeDSL); a call outside the warmed set still compiles there
+(negative control: the check can fail)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4_attention.common import warmup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CALLS = r"""
+import torch
+import dsv4_attention
+def calls(dtype):
+    q, k = torch.zeros(1, 200, 8, 64, dtype=dtype), torch.zeros(1, 300, 2, 64, dtype=dtype)
+    qd, kv = torch.zeros(1, 256, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 256, 1, 512, dtype=torch.bfloat16)
+    return [("dense gqa causal", lambda: dsv4_attention.attention(q, k, k.clone(), causal=True)),
+            ("dsv4 window + sink", lambda: dsv4_attention.attention(qd, kv, window_size=(127, 0),
+                                                                     learnable_sink=torch.zeros(64)))]
+"""
+
+SERVE_CHILD = CALLS + r"""
+import json, sys
+from dsv4_attention.common import interface, kernel_cache
+interface.arch_of_device = lambda device: "sm90"  # CPU tensors: the lookup is what is checked
+failed = []
+for name, call in calls(getattr(torch, sys.argv[1])):
+    try:
+        call()  # the loaded function then refuses CPU tensors: its own checks, after the lookup
+    except Exception as e:  # noqa: BLE001
+        failed.append(type(e).__name__)
+print(json.dumps({**kernel_cache.stats, "dsl_imported": "cutlass" in sys.modules, "refused": failed}))
+"""
+
+
+def serve(cache, dtype: str) -> dict:
+    env = dict(os.environ, DSV4_ATTENTION_CACHE_DIR=str(cache))
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.run([sys.executable, "-c", SERVE_CHILD, dtype], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.arch("sm90")
+@pytest.mark.compile
+def test_after_the_warm_up_a_fresh_process_compiles_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DSV4_ATTENTION_DISABLE_CACHE", raising=False)
+    scope: dict = {}
+    exec(CALLS, scope)
+    totals = warmup.warm(scope["calls"](torch.bfloat16), "sm90", jobs=2, log=lambda s: None)
+    assert totals["configs"] == 2 and totals["compiled"] == 2
+    assert warmup.warm(scope["calls"](torch.bfloat16), "sm90", jobs=2, log=lambda s: None)["loaded"] == 2
+
+    served = serve(tmp_path, "bfloat16")
+    assert (served["compiled"], served["loaded"]) == (0, 2), served
+    assert len(served["refused"]) == 2  # each call reached its loaded kernel
+    if served["loaded_so"]:
+        assert served["dsl_imported"] is False
+    # negative control: fp16 was not warmed, so its dense call compiles in the fresh process
+    other = serve(tmp_path, "float16")
+    assert other["compiled"] == 1 and other["loaded"] == 1, other
+
+
+def test_the_presets_cover_deepseek_v4_on_both_archs():
+    """Which kernels each preset compiles: DeepSeek-V4's four call forms at 64 and 128 heads on
+    sm90; on sm100 the top-k forms at 64 heads are refused (128-row tiles), and said so."""
+    refused: list = []
+    sm90 = warmup.configurations(warmup.dsv4_calls(), "sm90", refused)
+    assert len(sm90) == 8 and not refused
+    assert {dict(k[4])["pack_group"] for k, *_ in sm90} == {64, 128}
+    assert sum(dict(k[4]).get("index_mode", False) for k, *_ in sm90) == 2
+    sm100 = warmup.configurations(warmup.dsv4_calls(), "sm100", refused)
+    assert len(sm100) == 6 and [name for name, _ in refused] == ["CSA h64", "index mode h64"]
+    assert len(warmup.configurations(warmup.dense_calls(), "sm90")) == 36
