@@ -550,28 +550,11 @@ print(json.dumps({"s": t1 - t0, "second_call_s": time.perf_counter() - t1, "impo
 """
 
 
-def host_us_per_call(call, n: int = 300) -> float:
-    """Host microseconds per call of a tiny problem: the GPU finishes each launch long before the
-    host issues the next, so the loop's wall time is the calls' host time."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    import time
-
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        times.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
-
-
 def bench_calls(dev) -> list:
     """What a call costs besides the kernel: host time per call of a tiny problem (batch 1, seqlen
     128, 2 heads, hd 128: validation, argument packing, launch), ours (``dsv4_attention.attention``,
-    stage C's plain forward) against FlashAttention-4 in this process; and the first call of a
+    stage C's plain forward) against FlashAttention-4 in one fresh process (tools/host_breakdown.py,
+    with the entry's steps timed apart); and the first call of a
     configuration in a fresh process, compiling (empty kernel cache) and loading (the entry the
     first process wrote)."""
     import os
@@ -580,33 +563,18 @@ def bench_calls(dev) -> list:
     import tempfile
 
     import dsv4_attention
-    from dsv4_attention.stages import c_online_softmax
 
-    q, k, v = (random_bshd(1, 128, 2, 128, torch.bfloat16, dev) for _ in range(3))
-    o = torch.empty_like(q)
-    lse = torch.empty(1, 2, 128, device=dev)
-    calls = {"attention": lambda: dsv4_attention.attention(q, k, v, causal=True),
-             "attention_out": lambda: dsv4_attention.attention(q, k, v, causal=True, out=o, lse_out=lse),
-             "stage_c": lambda: c_online_softmax.forward(q, k, v),
-             "fa4": bench.peer_fa4(q, k, v, causal=True)}
-    # where the time goes: stage C's compiled function alone on prepared arguments (the TVM-FFI
-    # call and the launch), and the two output allocations a call without out= makes
-    from dsv4_attention.common import call_plan
-
-    c_online_softmax.forward(q, k, v, out=o, lse_out=lse)
-    plan = call_plan.plan_of(call_plan.key_of(c_online_softmax.ID, q, k, v, None, o, lse, (), ()))
-    if plan is not None:
-        calls["kernel_function_only"] = lambda: plan.fn(q, k, v, o, lse, *plan.tail)
-    calls["output_allocations"] = lambda: (torch.empty_like(q), torch.empty(1, 2, 128, device=dev))
-    us = {}
-    for name, call in calls.items():
-        try:
-            us[name] = round(host_us_per_call(call), 1)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported
-            print(f"host time {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
-    rows = [{"stage": "calls", "kind": "host time", "case": "b1 h2 sq128 sk128 hd128 causal bf16", "us_per_call": us}]
-    print(f"host us per call: {us}", flush=True)
     root = os.path.dirname(os.path.dirname(os.path.abspath(dsv4_attention.__file__)))
+    # host time in a fresh process (tools/host_breakdown.py): ours and FA4 side by side, nothing else loaded
+    p = subprocess.run([sys.executable, "-m", "tools.host_breakdown"], capture_output=True, text=True, cwd=root,
+                       timeout=300)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    us = json.loads(line[-1]) if p.returncode == 0 and line else {}
+    if not us:
+        print(f"host time failed: {p.stderr[-500:]}", flush=True)
+    rows = [{"stage": "calls", "kind": "host time", "case": "b1 h2 sq128 sk128 hd128 causal bf16, fresh process",
+             "us_per_call": us}]
+    print(f"host us per call: {us}", flush=True)
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, DSV4_ATTENTION_CACHE_DIR=cache)
         first = {}
