@@ -4,8 +4,9 @@ library's entry and FlashAttention-4 on the same tiny problem (batch 1, seqlen 1
 Microseconds per call, each the fastest of 9 loops of 300 calls after warm-up (``host_us_per_call``:
 the GPU finishes each launch long before the host issues the next, so a loop's wall time is the
 calls' host time; the fastest loop, because the GPU machine's host is shared and its noise only
-ever adds time: FlashAttention-4's figure ranged 90-188 us between medians of runs on one day). ``tools.bench``'s calls row runs this as a child process: a benchmark process
-that has compiled and imported the other stages and peers measured every call 20-50 % slower."""
+ever adds time: FlashAttention-4's figure ranged 90-188 us between medians of runs on one day).
+``tools.bench``'s calls row runs this as a child process: a benchmark process that has compiled
+and imported the other stages and peers measured every call 20-50 % slower."""
 
 from __future__ import annotations
 
