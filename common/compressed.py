@@ -33,15 +33,20 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from dsv4_attention.common.kv_span import KvSpan
+from dsv4_attention.common.kv_span import KvSpan, token_position
 
 
-def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool) -> None:
+def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool,
+                has_positions: bool = False) -> None:
     """Stage E's compile-time options on a kernel object (both archs), refused where they do not
     compose: compressed entries are K = V rows, not with cu_seqlens yet; top-k lists need the
     compressed tensor and Q tiles of one token (pack_group a multiple of ``tile_m``); index mode is
-    top-k with no window."""
+    top-k with no window; per-token positions (``has_positions``: the kernel takes mPositions) are
+    batched only and have no meaning in index mode."""
     kernel.has_compressed, kernel.has_topk, kernel.index_mode = bool(has_compressed), bool(has_topk), bool(index_mode)
+    kernel.has_positions = bool(has_positions)
+    if kernel.has_positions and (kernel.varlen or kernel.index_mode):
+        raise ValueError("positions: batched tensors only, and not in index mode")
     if kernel.index_mode and not (kernel.has_topk and not (kernel.has_left or kernel.has_right)):
         raise ValueError("index_mode: the lists are the only keys (has_topk, no window)")
     if kernel.has_topk and not kernel.has_compressed:
@@ -62,23 +67,30 @@ def compressed_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, ratio: int,
     return 0 <= j < n_compressed and (t + 1) >= 0 and j < (t + 1) // ratio
 
 
-def compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed, kv_start=0):
-    """Entries [0, count) visible to query token ``token``: min(n_compressed, floor((t + 1) / r)),
-    t = kv_start + token + seqlen_k - seqlen_q, 0 where t + 1 <= 0 (clamped before the division:
-    DSL integers divide toward zero)."""
-    t1 = cutlass.max(kv_start + token + seqlen_k - seqlen_q + 1, 0)
+def compressed_count_at(position, ratio, n_compressed, kv_start=0):
+    """Entries [0, count) visible to a query at ``position`` in the raw keys' frame (absolute
+    position kv_start + position): min(n_compressed, floor((t + 1) / r)), 0 where t + 1 <= 0
+    (clamped before the division: DSL integers divide toward zero)."""
+    t1 = cutlass.max(kv_start + position + 1, 0)
     return cutlass.min(t1 // ratio, n_compressed)
+
+
+def compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed, kv_start=0, positions=None):
+    """``compressed_count_at`` of query token ``token``, at ``kv_span.token_position`` (bottom-right
+    aligned, t = kv_start + token + seqlen_k - seqlen_q, or ``positions[token]``)."""
+    return compressed_count_at(token_position(token, seqlen_q, seqlen_k, positions, kv_start), ratio, n_compressed,
+                               kv_start)
 
 
 @cute.jit
 def mask_compressed_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Constexpr[int],
-                         first_entry, seqlen_q, seqlen_k, ratio, n_compressed, kv_start):
+                         first_entry, seqlen_q, seqlen_k, ratio, n_compressed, kv_start, positions=None):
     """Scores of entries a row may not see -> -inf, in place (SM90 fragment: value i of the thread
     is tile row tScS[i][0], packed row first_row + that, token // group, and entry
     first_entry + tScS[i][1])."""
     for i in cutlass.range_constexpr(cute.size(acc)):
         token = (first_row + tScS[i][0]) // group
-        count = compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed, kv_start)
+        count = compressed_count(token, seqlen_q, seqlen_k, ratio, n_compressed, kv_start, positions)
         acc[i] = -cutlass.Float32.inf if first_entry + tScS[i][1] >= count else acc[i]
 
 
@@ -87,14 +99,16 @@ class FusedSpan(KvSpan):
     ``n_tiles`` = n_cmp + the window's tiles; ``origin`` / ``window_tiles`` are D4's span
     (``origin`` its first key: the K view the kernels offset)."""
 
-    _DYNAMIC = KvSpan._DYNAMIC + ("ratio", "n_compressed", "n_cmp", "c_lo", "window_tiles", "kv_start")
+    _DYNAMIC = KvSpan._DYNAMIC + ("ratio", "n_compressed", "n_cmp", "c_lo", "window_tiles")
 
     def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
-                 has_left: bool, has_right: bool, ratio, n_compressed, kv_start=0):
-        super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, left, right, has_left, has_right)
-        self.ratio, self.n_compressed, self.kv_start = ratio, n_compressed, kv_start
-        c_hi = compressed_count(self.t_hi, self.seqlen_q, seqlen_k, ratio, n_compressed, kv_start)
-        self.c_lo = compressed_count(self.t_lo, self.seqlen_q, seqlen_k, ratio, n_compressed, kv_start)
+                 has_left: bool, has_right: bool, ratio, n_compressed, kv_start=0, positions=None):
+        super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, left, right, has_left, has_right, positions,
+                         kv_start)
+        self.ratio, self.n_compressed = ratio, n_compressed
+        # the count grows with the position: row t_lo sees the fewest entries, t_hi the most
+        c_hi = compressed_count_at(self.p_hi, ratio, n_compressed, kv_start)
+        self.c_lo = compressed_count_at(self.p_lo, ratio, n_compressed, kv_start)
         self.n_cmp = (c_hi + tile_n - 1) // tile_n
         self.window_tiles = self.n_tiles
         self.n_tiles = self.n_cmp + self.window_tiles
@@ -115,7 +129,7 @@ class FusedSpan(KvSpan):
     def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
             mask_compressed_tile(acc, tScS, first_row, self.group, n * self.tile_n, self.seqlen_q, self.seqlen_k,
-                                 self.ratio, self.n_compressed, self.kv_start)
+                                 self.ratio, self.n_compressed, self.kv_start, self.positions)
         else:
             KvSpan.mask(self, acc, tScS, n, first_row)  # first_key(n): the window's key
 
@@ -124,7 +138,7 @@ class FusedSpan(KvSpan):
         if n < self.n_cmp:
             if self.compressed_needs_mask(n):
                 mask_compressed_tile(acc, tScS, first_row, self.group, n * self.tile_n, self.seqlen_q,
-                                     self.seqlen_k, self.ratio, self.n_compressed, self.kv_start)
+                                     self.seqlen_k, self.ratio, self.n_compressed, self.kv_start, self.positions)
         else:
             KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
 
@@ -193,9 +207,9 @@ class TopkSpan(FusedSpan):
         return self.lists[None, self.list_slot(n)]
 
     def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
-                 has_left: bool, has_right: bool, ratio, n_compressed, idx_row, k, kv_start=0):
+                 has_left: bool, has_right: bool, ratio, n_compressed, idx_row, k, kv_start=0, positions=None):
         super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, left, right, has_left, has_right, ratio,
-                         n_compressed, kv_start)
+                         n_compressed, kv_start, positions)
         self.idx_row, self.k = idx_row, k
         self.count = self.c_lo  # one token per Q tile: t_lo = t_hi
         self.n_cmp = (k + tile_n - 1) // tile_n

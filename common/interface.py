@@ -26,7 +26,7 @@ MAX_GRID_YZ = 65535  # attention grids are (q tiles, heads, batch)
 def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 1000, *, kv_shared: bool = False,
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
-                           has_compressed: bool = False, has_topk: bool = False, **_):
+                           has_compressed: bool = False, has_topk: bool = False, has_positions: bool = False, **_):
     """CPU arguments of an attention kernel for the kernel options given, as a call passes them
     (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
     tensor as K and V) and the trailing MASK_ARGS of stage D1's kernel and those built on it
@@ -43,7 +43,8 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                  torch.zeros(4, dtype=torch.float32) if has_sink else None,
                  torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
                  4 if has_compressed else 0,
-                 torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0]
+                 torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
+                 torch.zeros(2, 300, dtype=torch.int32) if has_positions else None]
     return args
 
 
@@ -129,11 +130,12 @@ MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seq
 
 
 def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=0):
+              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=0,
+              positions=None):
     """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot)."""
     return [seqused_k, int(0 if left is None else left), int(0 if right is None else right), cu_seqlens_q,
             cu_seqlens_k, int(max_seqlen_q), learnable_sink, compressed_kv,
-            int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start)]
+            int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start), positions]
 
 
 def no_mask_args():
@@ -145,7 +147,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
-                             kv_start=0, index_mode=False):
+                             kv_start=0, index_mode=False, positions=None):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -154,12 +156,15 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     [heads, total_q]) and the attention sink (D5: ``learnable_sink`` [heads] fp32) and the
     compressed entries (E: ``compressed_kv`` [batch, entries, kv_heads, head_dim], K = V, visible
     by ``compress_ratio``, all of them or the ``topk_indices`` [batch, seqlen_q, k] each token lists,
-    positions counted from ``kv_start``, the absolute position of raw key 0; common/compressed.py). An option
+    positions counted from ``kv_start``, the absolute position of raw key 0; common/compressed.py) and
+    the query tokens' absolute positions (``positions`` [seqlen_q] or [batch, seqlen_q] int32,
+    non-decreasing; None: bottom-right aligned; batched calls only). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     plan = plan_key = None
-    if not varlen and seqused_k is None and topk_indices is None:  # else a check reads values: every call
+    if not varlen and seqused_k is None and topk_indices is None and positions is None:  # else a check reads
+        # values: every call
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode)
         plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan,
                                           (learnable_sink, compressed_kv))
@@ -170,16 +175,22 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         check_compressed,
         check_cu_seqlens,
         check_kv_start,
+        check_positions,
         check_seqused_k,
         check_sink,
         check_topk,
     )
 
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
+    if positions is not None and varlen:
+        raise ValueError("positions with cu_seqlens is not supported: pass batched tensors")
+    if positions is not None and index_mode:
+        raise ValueError("positions: index mode has no window or visibility rule to place")
     if compressed and varlen:
         raise ValueError("compressed_kv with cu_seqlens is not supported yet: pass batched [batch, seqlen, heads, "
                          "head_dim] tensors")
-    entries = [None, None, None]  # (compressed_kv, compress_ratio, topk_indices) as the kernel gets them
+    entries = [None, None, None, None]  # (compressed_kv, compress_ratio, topk_indices, positions) as the kernel
+    # gets them
 
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
@@ -207,6 +218,9 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
             check_sink(learnable_sink, q.shape[2], q.device)
         m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
         chosen = {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
+        if positions is not None:
+            entries[3] = check_positions(positions, q.shape[0], q.shape[1], q.device)
+            chosen["has_positions"] = True
         if compressed:
             if topk_indices is not None and compressed_kv is None:
                 raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
@@ -230,7 +244,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                                  plan_tensors=(learnable_sink, compressed_kv),
                                  extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
                                                               compressed_kv=entries[0], compress_ratio=entries[1],
-                                                              topk_indices=entries[2], kv_start=kv_start))
+                                                              topk_indices=entries[2], kv_start=kv_start,
+                                                              positions=entries[3]))
     # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
     # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -48,42 +48,75 @@ def tile_tokens(m_block, tile_m: int, group: int, seqlen_q):
     return t_lo, t_hi
 
 
-def key_span(t_lo, t_hi, seqlen_q, seqlen_k, tile_n: int, left, right, has_left: bool, has_right: bool):
-    """(origin, n_tiles): the first key of the span and the KV tiles that cover it (>= 1)."""
-    shift = seqlen_k - seqlen_q
+def key_span_at(p_lo, p_hi, seqlen_k, tile_n: int, left, right, has_left: bool, has_right: bool):
+    """(origin, n_tiles): the first key of the span and the KV tiles that cover it (>= 1), for a Q
+    tile whose tokens sit at positions p_lo <= .. <= p_hi in the frame of the keys (key j at j)."""
     lo = 0
     hi = seqlen_k
     if has_left:
-        lo = cutlass.max(t_lo + shift - left, 0)
+        lo = cutlass.max(p_lo - left, 0)
     if has_right:
-        hi = cutlass.min(t_hi + shift + right + 1, seqlen_k)
+        hi = cutlass.min(p_hi + right + 1, seqlen_k)
     n_tiles = cutlass.max((hi - lo + tile_n - 1) // tile_n, 1)
     return lo, n_tiles
 
 
-def tile_needs_mask(first_key, t_lo, t_hi, seqlen_q, seqlen_k, tile_n: int, left, right, has_left: bool,
-                    has_right: bool):
-    """Whether KV tile [first_key, first_key + tile_n) hides any key from any row of the Q tile."""
+def key_span(t_lo, t_hi, seqlen_q, seqlen_k, tile_n: int, left, right, has_left: bool, has_right: bool):
+    """``key_span_at`` of tokens t_lo .. t_hi, bottom-right aligned (t' = t + seqlen_k - seqlen_q)."""
     shift = seqlen_k - seqlen_q
+    return key_span_at(t_lo + shift, t_hi + shift, seqlen_k, tile_n, left, right, has_left, has_right)
+
+
+def tile_needs_mask_at(first_key, p_lo, p_hi, seqlen_k, tile_n: int, left, right, has_left: bool,
+                       has_right: bool):
+    """Whether KV tile [first_key, first_key + tile_n) hides any key from any row of a Q tile whose
+    tokens sit at positions p_lo <= .. <= p_hi (the keys' frame)."""
     last_key = first_key + tile_n - 1
     needs = last_key >= seqlen_k
     if has_right:
-        needs = needs | (last_key > t_lo + shift + right)
+        needs = needs | (last_key > p_lo + right)
     if has_left:
-        needs = needs | (first_key < t_hi + shift - left)
+        needs = needs | (first_key < p_hi - left)
     return needs
+
+
+def tile_needs_mask(first_key, t_lo, t_hi, seqlen_q, seqlen_k, tile_n: int, left, right, has_left: bool,
+                    has_right: bool):
+    """``tile_needs_mask_at`` of tokens t_lo .. t_hi, bottom-right aligned."""
+    shift = seqlen_k - seqlen_q
+    return tile_needs_mask_at(first_key, t_lo + shift, t_hi + shift, seqlen_k, tile_n, left, right, has_left,
+                              has_right)
+
+
+def token_position(token, seqlen_q, seqlen_k, positions=None, kv_start=0):
+    """Query token ``token``'s position in the keys' frame (key j at j): bottom-right aligned,
+    token + seqlen_k - seqlen_q, or, with ``positions`` (the tokens' absolute positions, raw key 0
+    at ``kv_start``), positions[token] - kv_start. Tokens past the last one (padding rows of the
+    last Q tile, never stored) read the last token's position: no read past ``positions``."""
+    if cutlass.const_expr(positions is None):
+        return token + seqlen_k - seqlen_q
+    return positions[cutlass.min(token, seqlen_q - 1)] - kv_start
+
+
+def positions_row(mPositions, b):
+    """Request b's row of the (batch or 1, seqlen_q) int32 positions (one row serves every
+    request), or None without positions (kernel code)."""
+    if cutlass.const_expr(mPositions is None):
+        return None
+    return mPositions[b * cutlass.min(mPositions.shape[0] - 1, 1), None]
 
 
 @cute.jit
 def mask_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Constexpr[int], first_key,
               seqlen_q, seqlen_k, left, right, has_left: cutlass.Constexpr[bool],
-              has_right: cutlass.Constexpr[bool]):
+              has_right: cutlass.Constexpr[bool], positions=None, kv_start=0):
     """Scores of keys a row may not see -> -inf, in place. Value i of the thread holds tile row
-    tScS[i][0] (packed row first_row + that: token // group) and key first_key + tScS[i][1]."""
-    shift = seqlen_k - seqlen_q
+    tScS[i][0] (packed row first_row + that: token // group) and key first_key + tScS[i][1];
+    the token's position is ``token_position`` (``positions``: read per value, the loads of one
+    row's values are one address)."""
     for i in cutlass.range_constexpr(cute.size(acc)):
         key = first_key + tScS[i][1]
-        token_pos = (first_row + tScS[i][0]) // group + shift
+        token_pos = token_position((first_row + tScS[i][0]) // group, seqlen_q, seqlen_k, positions, kv_start)
         hide = key >= seqlen_k
         if cutlass.const_expr(has_right):
             hide = hide | (key > token_pos + right)
@@ -96,20 +129,30 @@ class KvSpan:
     """One Q tile's keys, as the kernels use them: ``origin`` (first key of KV tile 0) and
     ``n_tiles``, and the masks of its tiles. Built once per CTA from the tile's rows
     (``rows`` packed rows of ``group`` heads per token: seqlen_q = rows // group); ``left`` /
-    ``right`` are runtime window bounds, used only where ``has_left`` / ``has_right``."""
+    ``right`` are runtime window bounds, used only where ``has_left`` / ``has_right``.
+    ``positions`` (None: bottom-right aligned): the request's query tokens' absolute positions,
+    non-decreasing (validated on the host), raw key 0 at absolute position ``kv_start``; the tile's
+    tokens then sit at p_lo = positions[t_lo] - kv_start .. p_hi = positions[t_hi] - kv_start."""
 
     def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, left, right,
-                 has_left: bool, has_right: bool):
+                 has_left: bool, has_right: bool, positions=None, kv_start=0):
         self.seqlen_q = rows // group
         self.seqlen_k = seqlen_k
         self.tile_n, self.group = tile_n, group
         self.left, self.right, self.has_left, self.has_right = left, right, has_left, has_right
+        self.positions, self.kv_start = positions, kv_start
         self.t_lo, self.t_hi = tile_tokens(m_block, tile_m, group, self.seqlen_q)
-        self.origin, self.n_tiles = key_span(self.t_lo, self.t_hi, self.seqlen_q, seqlen_k, tile_n, left, right,
-                                             has_left, has_right)
+        self.p_lo, self.p_hi = self.token_position(self.t_lo), self.token_position(self.t_hi)
+        self.origin, self.n_tiles = key_span_at(self.p_lo, self.p_hi, seqlen_k, tile_n, left, right, has_left,
+                                                has_right)
+
+    def token_position(self, token):
+        """Query token ``token``'s position in the keys' frame (``kv_span.token_position``)."""
+        return token_position(token, self.seqlen_q, self.seqlen_k, self.positions, self.kv_start)
 
     # A runtime loop that uses the span carries it through its IR values (the DSL integers)
-    _DYNAMIC = ("seqlen_q", "seqlen_k", "left", "right", "t_lo", "t_hi", "origin", "n_tiles")
+    _DYNAMIC = ("seqlen_q", "seqlen_k", "left", "right", "t_lo", "t_hi", "p_lo", "p_hi", "origin", "n_tiles",
+                "positions", "kv_start")
 
     def __extract_mlir_values__(self):
         values, self._counts = [], []
@@ -137,11 +180,11 @@ class KvSpan:
     def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         """Mask KV tile n of the span for the rows from packed row ``first_row`` on."""
         mask_tile(acc, tScS, first_row, self.group, self.first_key(n), self.seqlen_q, self.seqlen_k, self.left,
-                  self.right, self.has_left, self.has_right)
+                  self.right, self.has_left, self.has_right, self.positions, self.kv_start)
 
     @cute.jit
     def mask_if_needed(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         """``mask`` where the tile straddles a boundary (the tiles inside every row's range skip it)."""
-        if tile_needs_mask(self.first_key(n), self.t_lo, self.t_hi, self.seqlen_q, self.seqlen_k, self.tile_n,
-                           self.left, self.right, self.has_left, self.has_right):
+        if tile_needs_mask_at(self.first_key(n), self.p_lo, self.p_hi, self.seqlen_k, self.tile_n, self.left,
+                              self.right, self.has_left, self.has_right):
             self.mask(acc, tScS, n, first_row)

@@ -81,8 +81,9 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
                     learnable_sink=None, positions=None, kv_start: int = 0):
     """Stage E: one softmax over the window's keys and the compressed entries, float64.
 
-    Query i of batch b sits at t' = positions[i] (default i + n_k - seqlen_q, n_k = seqused_k[b] or
-    seqlen_k: D4's bottom-right alignment) and sees raw key j iff j < n_k and
+    Query i of batch b sits at t' = i + n_k - seqlen_q (n_k = seqused_k[b] or seqlen_k: D4's
+    bottom-right alignment) in the raw keys' frame, or, with ``positions`` ([seqlen_q] or [b,
+    seqlen_q], absolute positions), at t' = positions[b, i] - kv_start, and sees raw key j iff j < n_k and
     t' - left <= j <= t' + right (bounds that are not None; causal: right = 0), and compressed
     entry j iff j < floor((kv_start + t' + 1) / compress_ratio) (> 0: ``kv_start`` is the absolute
     position of raw key 0, when kv holds only a sequence's last rows): all of them, or with
@@ -100,7 +101,7 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
     if positions is None:
         tp = torch.arange(sq, device=dev)[None, :] + (n_k - sq)[:, None]  # [b, sq]
     else:
-        tp = positions.to(dev).long()[None, :].expand(b, sq)
+        tp = positions.to(dev).long().reshape(-1, sq).expand(b, sq) - kv_start
     j = torch.arange(sk, device=dev)[None, None, :]
     t3 = tp[:, :, None]
     vis = j < n_k[:, None, None]

@@ -100,12 +100,12 @@ def row_max(s_row: cute.Tensor) -> Float32:
 def visible_keys(span, packed_row):
     """(lo, hi): the keys lo <= key < hi that packed row ``packed_row`` of ``span``'s Q tile sees
     (lo None without a left bound): ``kv_span.visible`` for one row, token = packed_row // group,
-    bottom-right aligned (token' = token + seqlen_k - seqlen_q). Per row, not per tile: a softmax
-    thread computes it once per CTA."""
+    at ``span.token_position`` (bottom-right aligned, token' = token + seqlen_k - seqlen_q, or the
+    caller's positions). Per row, not per tile: a softmax thread computes it once per CTA."""
     hi = span.seqlen_k  # the seqlen_k tail (every stage)
     lo = None
     if span.has_left or span.has_right:
-        token_pos = packed_row // span.group + (span.seqlen_k - span.seqlen_q)
+        token_pos = span.token_position(packed_row // span.group)
         if span.has_right:
             hi = cutlass.min(hi, token_pos + span.right + 1)
         if span.has_left:
@@ -124,7 +124,7 @@ def visible_entries(span, packed_row):
     """Stage E: the compressed entries [0, count) packed row ``packed_row`` of ``span``'s Q tile (a
     ``FusedSpan``) sees: ``compressed_count`` of its token. Per row, once per CTA, as ``visible_keys``."""
     return compressed_count(packed_row // span.group, span.seqlen_q, span.seqlen_k, span.ratio, span.n_compressed,
-                            span.kv_start)
+                            span.kv_start, span.positions)
 
 
 @cute.jit

@@ -121,7 +121,7 @@ def attention_inputs(b, sq, sk, h, hk, d, dtype, *, kv_shared=False, magnitude=1
 #: forward options that change which keys a row sees; the reference takes them too
 MASK_OPTIONS = ("seqused_k", "causal", "window_size", "learnable_sink")
 #: stage E's compressed entries: with them the reference is ``reference.fused_attention``
-COMPRESSED_OPTIONS = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start")
+COMPRESSED_OPTIONS = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions")
 
 
 def reference_for(q, k, v, options: dict):
@@ -129,7 +129,7 @@ def reference_for(q, k, v, options: dict):
     ``reference.fused_attention`` where compressed entries are given."""
     from dsv4_attention.common.reference import attention, fused_attention
 
-    if options.get("compressed_kv") is not None:
+    if options.get("compressed_kv") is not None or options.get("positions") is not None:
         return fused_attention(q, k, v, **{n: options[n] for n in MASK_OPTIONS + COMPRESSED_OPTIONS if n in options})
     return attention(q, k, v, **{n: options[n] for n in MASK_OPTIONS if n in options})
 

@@ -247,6 +247,36 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
                          f"got min {lo}, max {hi}")
 
 
+def check_positions(positions, batch: int, seqlen_q: int, device) -> torch.Tensor:
+    """The query tokens' absolute positions: [seqlen_q] (shared by every request) or [batch, seqlen_q]
+    int32 on q's device, contiguous, every value in [0, 2^30) and non-decreasing along a request's
+    tokens (a kernel bounds a Q tile's keys by its first and last token). Returns the (1 or batch,
+    seqlen_q) view the kernels take. Reads the values (one device sync), except inside a CUDA graph
+    capture: a decreasing list there hides keys from some rows, it never reads out of bounds."""
+    if not isinstance(positions, torch.Tensor):
+        raise ValueError(f"positions must be a torch.Tensor or None; got {type(positions).__name__}")
+    if positions.dtype != torch.int32:
+        raise ValueError(f"positions.dtype must be int32; got {positions.dtype}")
+    if tuple(positions.shape) not in ((seqlen_q,), (batch, seqlen_q)):
+        raise ValueError(f"positions must be [seqlen_q] = ({seqlen_q},) or [batch, seqlen_q] = ({batch}, {seqlen_q}); "
+                         f"got {tuple(positions.shape)}")
+    if positions.device != device:
+        raise ValueError(f"positions must be on {device} like q; got {positions.device}")
+    if not positions.is_contiguous():
+        raise ValueError(f"positions must be contiguous; got strides {positions.stride()}")
+    rows = positions.view(-1, seqlen_q)
+    if positions.numel() == 0 or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return rows
+    lo, hi = torch.aminmax(rows)
+    drops = (rows[:, 1:] < rows[:, :-1]).sum()
+    lo, hi, drops = (int(x) for x in torch.stack([lo.long(), hi.long(), drops.long()]).tolist())
+    if lo < 0 or hi >= 2**30:
+        raise ValueError(f"positions must lie in [0, 2^30); got min {lo}, max {hi}")
+    if drops:
+        raise ValueError(f"positions must be non-decreasing along each request's tokens; {drops} steps decrease")
+    return rows
+
+
 def check_window(causal, window_size) -> tuple:
     """(left, right) with None for an unbounded side; causal means right = 0. Bounds are
     non-negative ints: no sentinel (such as -1) stands for "no window"."""

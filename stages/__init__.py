@@ -53,8 +53,8 @@ FINAL = "e"
 def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = None, topk_indices=None,
               softmax_scale: float | None = None, causal: bool = False, window_size=(None, None), seqused_k=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
-              max_seqlen_k: int | None = None, learnable_sink=None, pack_gqa: bool | None = None, out=None,
-              lse_out=None):
+              max_seqlen_k: int | None = None, learnable_sink=None, pack_gqa: bool | None = None, positions=None,
+              kv_start: int = 0, out=None, lse_out=None):
     """The library's attention (``from dsv4_attention import attention``): softmax(q k^T scale) v
     with FlashAttention-4's conventions, computed by the newest stage (:data:`FINAL`).
 
@@ -68,12 +68,16 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     DeepSeek-V4: ``attention(q, kv, compressed_kv=ckv, compress_ratio=128, window_size=(127, 0),
     learnable_sink=sink)`` attends, in one softmax, to the window and to the compressed entries
     j < floor((t' + 1) / ratio) (stage E; its HCA layers), or only those ``topk_indices``
-    ([batch, seqlen_q, k] int32, -1 padded) lists per token (its CSA layers). Returns (o like q,
+    ([batch, seqlen_q, k] int32, -1 padded) lists per token (its CSA layers). ``positions``
+    ([seqlen_q] or [batch, seqlen_q] int32, non-decreasing): the query tokens' absolute positions
+    instead of bottom-right alignment (a prefill chunk anywhere in its sequence), raw key j at
+    absolute position ``kv_start`` + j (``kv`` holding only a sequence's last rows). Returns (o like q,
     lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row with no visible key has
     O = 0 and LSE = -inf).
     """
     key = None
-    if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None:
+    if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None and \
+            positions is None and kv_start == 0:
         # validated once per signature (common/call_plan.py): a repeated one goes to its kernel
         key = call_plan.entry_key(q, k, v, compressed_kv, learnable_sink, out, lse_out,
                                   (softmax_scale, causal, compress_ratio, pack_gqa, max_seqlen_q, max_seqlen_k),
@@ -89,7 +93,8 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         q, k, v, compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, seqused_k=seqused_k,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        learnable_sink=learnable_sink, pack_gqa=pack_gqa, out=out, lse_out=lse_out))
+        learnable_sink=learnable_sink, pack_gqa=pack_gqa, positions=positions, kv_start=kv_start, out=out,
+        lse_out=lse_out))
 
 
 def get(stage_id: str) -> Stage:

@@ -3,7 +3,8 @@ host proofs): a host function compiled for sm_100a and run on the CPU that build
 span (``kv_span``; stage E's with its compressed entries) and, for each of the 128 softmax threads,
 its TMEM row partition (``s_row_load``), its row's visible keys (``row_keys``) and its masking of
 every visit (``mask_s_row``) on a row of zeros: out[thread, visit, value] (0 kept, -inf hidden),
-coords[thread, value] = (row, column) in the tile, info = (origin, n_tiles, n_cmp)."""
+coords[thread, value] = (row, column) in the tile, info = (origin, n_tiles, n_cmp). With
+``positions``, the span takes the query tokens' absolute positions (a 1-D int32 tensor)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def thread_replayer(kernel):
     return replay_threads
 
 
-def build_mask_runner(kernel):
+def build_mask_runner(kernel, positions: bool = False):
     from cutlass.cute.runtime import from_dlpack
 
     from dsv4_attention.common.arch import GPU_ARCH, target_arch
@@ -57,11 +58,14 @@ def build_mask_runner(kernel):
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, seqused: cute.Tensor, m_blk: Int32,
              rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32,
-             kv_start: Int32):
+             kv_start: Int32, pos: cute.Tensor):
         # as the kernel: request 0's keys, the Q tile's span, then per softmax thread its partition
         keys_k = kernel.kv_length(seqused, 0, seqlen_k)
+        pos_row = None
+        if cutlass.const_expr(positions):
+            pos_row = pos
         if cutlass.const_expr(compressed):
-            span = kernel.kv_span(m_blk, rows, keys_k, left, right, ratio, n_compressed, None, kv_start)
+            span = kernel.kv_span(m_blk, rows, keys_k, left, right, ratio, n_compressed, None, kv_start, pos_row)
             info[2] = span.n_cmp
         else:
             span = kernel.kv_span(m_blk, rows, keys_k, left, right)
@@ -73,11 +77,11 @@ def build_mask_runner(kernel):
     bufs = run_buffers(kernel.plan.tile_n)
     with target_arch("sm100"):
         return cute.compile(host, *[from_dlpack(b) for b in bufs], *[Int32(x) for x in (0, 1, 1, 0, 0, 4, 1, 0)],
-                            options=f"--gpu-arch={GPU_ARCH['sm100']}")
+                            from_dlpack(torch.zeros(4, dtype=torch.int32)), options=f"--gpu-arch={GPU_ARCH['sm100']}")
 
 
 def replay(fn, tile_n: int, m_blk: int, rows: int, seqlen_k: int, seqused: int, left, right, ratio: int = 4,
-           n_compressed: int = 0, kv_start: int = 0):
+           n_compressed: int = 0, kv_start: int = 0, positions=None):
     """Run a ``build_mask_runner`` function: (out, coords, (origin, n_tiles, n_cmp))."""
     from cutlass.cute.runtime import from_dlpack
 
@@ -85,5 +89,6 @@ def replay(fn, tile_n: int, m_blk: int, rows: int, seqlen_k: int, seqused: int, 
     su[0] = seqused
     fn(*[from_dlpack(b) for b in (out, coords, info, su)],
        *[Int32(x) for x in (m_blk, rows, seqlen_k, 0 if left is None else left, 0 if right is None else right, ratio,
-                            n_compressed, kv_start)])
+                            n_compressed, kv_start)],
+       from_dlpack(torch.tensor([0] if positions is None else positions, dtype=torch.int32)))
     return out, coords, tuple(info.tolist())

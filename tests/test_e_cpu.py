@@ -168,6 +168,10 @@ CASES = [
     (128, {"kv_shared": True, "pack_group": 128, "has_right": True, "has_compressed": True, "has_topk": True}),
     (512, {"kv_shared": True, "pack_group": 64, "has_sink": True, "has_compressed": True, "has_topk": True,
            "index_mode": True}),
+    (512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_sink": True,
+           "has_compressed": True, "has_topk": True, "has_positions": True}),
+    (512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_compressed": True,
+           "has_positions": True}),
 ]
 
 
@@ -203,3 +207,45 @@ def test_kv_start_checks(bad):
 
     with pytest.raises(ValueError, match="kv_start"):
         check_kv_start(bad, 10)
+
+
+def test_positions_place_a_chunk_in_its_sequence():
+    """The reference with positions: a chunk of a sequence's tokens, given their absolute positions,
+    equals the same rows of the whole sequence (window and entries); over a window cache too
+    (kv_start); judged at bottom-right alignment instead (the negative control) it differs."""
+    g = torch.Generator().manual_seed(5)
+    T, H, d, r = 600, 4, 32, 4
+    q = torch.randn(1, T, H, d, generator=g, dtype=torch.float64)
+    kv = torch.randn(1, T, 1, d, generator=g, dtype=torch.float64)
+    ckv = torch.randn(1, T // r, 1, d, generator=g, dtype=torch.float64)
+    kw = {"compressed_kv": ckv, "compress_ratio": r, "causal": True, "window_size": (127, 0)}
+    o_all, lse_all = fused_attention(q, kv, **kw)
+    a, b = 200, 330  # the chunk: tokens 200 .. 329 of 600
+    pos = torch.arange(a, b, dtype=torch.int32)
+    o, lse = fused_attention(q[:, a:b], kv, positions=pos, **kw)
+    assert torch.allclose(o, o_all[:, a:b], atol=1e-12) and torch.allclose(lse, lse_all[..., a:b], atol=1e-12)
+    o_cache, _ = fused_attention(q[:, a:b], kv[:, 50:], positions=pos[None], kv_start=50, **kw)  # keys 50 on
+    assert torch.allclose(o_cache, o_all[:, a:b], atol=1e-12)
+    o_wrong, _ = fused_attention(q[:, a:b], kv, **kw)
+    assert not torch.allclose(o_wrong, o_all[:, a:b], atol=1e-3)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.arange(10), "int32"), (torch.arange(9, dtype=torch.int32), "seqlen_q"),
+    (torch.arange(10, dtype=torch.int32).flip(0), "non-decreasing"),
+    (torch.arange(10, dtype=torch.int32) - 1, "0, 2"), (torch.full((10,), 2**30, dtype=torch.int32), "0, 2"),
+    (torch.arange(20, dtype=torch.int32).view(10, 2).T, "contiguous"), ([0] * 10, "torch.Tensor"),
+])  # fmt: skip
+def test_positions_checks(bad, match):
+    from dsv4_attention.common.validation import check_positions
+
+    with pytest.raises(ValueError, match=match):
+        check_positions(bad, 2, 10, torch.device("cpu"))
+
+
+def test_positions_check_returns_the_kernels_rows():
+    from dsv4_attention.common.validation import check_positions
+
+    pos = torch.tensor([3, 3, 7, 9], dtype=torch.int32)
+    assert check_positions(pos, 2, 4, torch.device("cpu")).shape == (1, 4)
+    assert check_positions(torch.stack([pos, pos + 1]), 2, 4, torch.device("cpu")).shape == (2, 4)

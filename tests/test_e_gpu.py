@@ -129,6 +129,58 @@ def test_window_cache_with_kv_start(arch, topk, record_errors):
     check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options=options)
 
 
+def chunk_positions(batch, seqlen_q, lo, hi, g):
+    """[batch, seqlen_q] int32 absolute positions, sorted random draws from [lo, hi): repeats, jumps,
+    tokens before the raw keys' first position and past their last."""
+    return torch.sort(torch.randint(lo, hi, (batch, seqlen_q), generator=g), dim=1).values.int().cuda()
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa", "window"])
+@pytest.mark.parametrize("per_request", [False, True], ids=["shared", "per_request"])
+def test_positions_place_each_token(arch, mode, per_request, record_errors):
+    """A prefill chunk placed by per-token absolute positions (sorted, with repeats and jumps) over
+    raw keys that start at absolute position ``kv_start`` = 300: each token's window and entries
+    follow its own position; entries past every token's count are 100-valued (a leak fails loudly).
+    ``shared``: one [seqlen_q] list for both requests; ``per_request``: [batch, seqlen_q]."""
+    b, sq, sk, heads, start, ratio = 2, 150, 900, 128, 300, 4
+    q, kv, _, g = attention_inputs(b, sq, sk, heads, 1, 512, torch.bfloat16, kv_shared=True)
+    pos = chunk_positions(b if per_request else 1, sq, start - 40, start + sk + 40, g)
+    visible_max = (int(pos.max()) + 1) // ratio
+    options = {"positions": pos if per_request else pos[0], "kv_start": start, "causal": True,
+               "window_size": (127, 0), "learnable_sink": sink(heads, g)}
+    if mode != "window":
+        options["compressed_kv"] = entries(b, visible_max + 40, 512, g, poison_from=visible_max)
+        options["compress_ratio"] = ratio
+    if mode == "csa":
+        options["topk_indices"] = topk_lists(b, sq, 200, visible_max + 40, g)
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options=options)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_positions_of_bottom_right_alignment_change_nothing(arch):
+    """Positions equal to the default alignment (kv_start + i + seqlen_k - seqlen_q) give the same
+    bits as no positions, window and entries alike."""
+    sq, sk, start = 77, 700, 1000
+    q, kv, _, g = attention_inputs(2, sq, sk, 64, 1, 512, torch.bfloat16, kv_shared=True)
+    kw = {"compressed_kv": entries(2, 600, 512, g), "compress_ratio": 4, "kv_start": start, "causal": True,
+          "window_size": (127, 0)}
+    pos = torch.arange(sq, dtype=torch.int32, device="cuda") + start + sk - sq
+    o1, l1 = stage.forward(q, kv, **kw)
+    o2, l2 = stage.forward(q, kv, positions=pos, **kw)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_bad_positions_are_refused_before_launch(arch):
+    q, kv, _, _ = attention_inputs(2, 10, 50, 64, 1, 512, torch.bfloat16, kv_shared=True)
+    pos = torch.arange(10, dtype=torch.int32, device="cuda")
+    for bad, match in [(pos.long(), "int32"), (pos[:9], "seqlen_q"), (pos.flip(0), "non-decreasing"),
+                       (pos - 5, r"\[0, 2\^30\)"), (pos.cpu(), "device"), (torch.stack([pos, pos], 1).T, "contiguous")]:
+        with pytest.raises(ValueError, match=match):
+            stage.forward(q, kv, positions=bad, causal=True)
+
+
 def topk_lists(batch, seqlen_q, k, n_c, g, pad=0.2):
     """[batch, seqlen_q, k] int32 distinct entries per token (a random permutation's head, so no
     duplicates), some not yet visible, a share -1."""

@@ -59,9 +59,9 @@ def make_kernel(head_dim: int, cls=FlashAttentionESm100, **options):
 
 
 @functools.cache
-def mask_runner(name: str):
+def mask_runner(name: str, positions: bool = False):
     kernel = KERNELS[name]()
-    return kernel, build_mask_runner(kernel)
+    return kernel, build_mask_runner(kernel, positions)
 
 
 def kept_triples(name: str, m_blk: int, case: dict):
@@ -69,12 +69,12 @@ def kept_triples(name: str, m_blk: int, case: dict):
     every thread / value, as the kernel's masks leave them (source 'c': compressed entry, 'w': raw
     key); and (origin, n_tiles, n_cmp)."""
 
-    kernel, fn = mask_runner(name)
+    kernel, fn = mask_runner(name, "positions" in case)
     g, tile_n = kernel.pack_group, kernel.plan.tile_n
     sq, sk = case["seqlen_q"], case["seqlen_k"]
     left, right = case.get("window", (None, None))
     out, coords, (origin, n_tiles, n_cmp) = replay(fn, tile_n, m_blk, sq * g, sk, sk, left, right, case["ratio"],
-                                                   case["entries"], case.get("kv_start", 0))
+                                                   case["entries"], case.get("kv_start", 0), case.get("positions"))
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
     kept = {}
     for it in range(n_tiles):
@@ -97,14 +97,23 @@ def visible_triples(m_blk: int, group: int, case: dict, left, right) -> set:
     position of raw key 0, default 0; ``judge_kv_start`` overrides it for negative controls)."""
     sq, sk, ratio, entries = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"]
     start = case.get("judge_kv_start", case.get("kv_start", 0))
+    positions = case.get("judge_positions", case.get("positions"))
     want = set()
     for r in range(m_blk * QK_TILE_M, (m_blk + 1) * QK_TILE_M):
         token = r // group
-        if token < sq:
+        if token < sq and positions is None:
             want |= {(r, "w", j) for j in range(sk) if kv_span.visible(token, j, sq, sk, left, right)}
             want |= {(r, "c", j) for j in range(entries)
                      if compressed_visible(token, j, sq, sk, ratio, entries, start)}
+        elif token < sq:  # the token at absolute position positions[token], raw key j at start + j
+            want |= {(r, "w", j) for j in range(sk) if visible_at(positions[token] - start, j, sk, left, right)}
+            want |= {(r, "c", j) for j in range(min(entries, (positions[token] + 1) // ratio))}
     return want
+
+
+def visible_at(p: int, j: int, seqlen_k: int, left, right) -> bool:
+    """The plain formula for a query at position p of the keys' frame (key j at j)."""
+    return 0 <= j < seqlen_k and (left is None or j >= p - left) and (right is None or j <= p + right)
 
 
 def mask_failures(name: str, case: dict) -> list[str]:
@@ -178,12 +187,18 @@ MASK_CASES = {  # name -> cases; m_blocks: the Q tiles replayed
         dict(seqlen_q=3, seqlen_k=1023, window=W127, ratio=128, entries=5, m_blocks=[0, 1, 2]),  # 5 < 7, 7 | 1024
         # a window cache: the raw keys are the last 130 rows of a 2130-token sequence
         dict(seqlen_q=2, seqlen_k=130, window=W127, ratio=4, entries=600, kv_start=2000, m_blocks=[0, 1]),
+        # per-token positions: a chunk of 3 tokens placed mid-sequence (not at the keys' end)
+        dict(seqlen_q=3, seqlen_k=1000, window=W127, ratio=4, entries=300, positions=[500, 501, 640],
+             m_blocks=[0, 1, 2]),
     ],
     "e-hd512-g1": [  # 128 tokens per tile: counts grow along the tile, windows cut 64-key tiles
         dict(seqlen_q=300, seqlen_k=300, window=W127, ratio=4, entries=100, m_blocks=[0, 1, 2]),
         dict(seqlen_q=200, seqlen_k=1000, window=W127, ratio=128, entries=10, m_blocks=[0, 1]),
         dict(seqlen_q=300, seqlen_k=100, window=W127, ratio=4, entries=30, m_blocks=[0, 1, 2]),  # tokens < 200 empty
         dict(seqlen_q=200, seqlen_k=330, window=W127, ratio=128, entries=12, kv_start=1000, m_blocks=[0, 1]),
+        # per-token positions with repeats and jumps, raw keys from absolute position 100 on
+        dict(seqlen_q=200, seqlen_k=900, window=W127, ratio=4, entries=300, kv_start=100,
+             positions=sorted((i * 37) % 800 + 100 for i in range(200)), m_blocks=[0, 1]),
     ],
     "e-hd256-g64": [  # two tokens per tile, 128-key tiles
         dict(seqlen_q=10, seqlen_k=500, window=W127, ratio=4, entries=200, m_blocks=[0, 4]),
@@ -191,6 +206,7 @@ MASK_CASES = {  # name -> cases; m_blocks: the Q tiles replayed
         dict(seqlen_q=10, seqlen_k=7, window=W127, ratio=4, entries=3, m_blocks=[0, 2, 4]),
     ],
     "e-hd128-g1-nowin": [  # no window: every raw key, plus the entries
+        dict(seqlen_q=150, seqlen_k=300, ratio=4, entries=80, positions=list(range(10, 310, 2)), m_blocks=[0, 1]),
         dict(seqlen_q=300, seqlen_k=300, ratio=4, entries=80, m_blocks=[0, 1, 2]),
         dict(seqlen_q=300, seqlen_k=200, ratio=4, entries=60, m_blocks=[0, 2]),
         dict(seqlen_q=100, seqlen_k=300, ratio=128, entries=3, m_blocks=[0]),
@@ -220,6 +236,18 @@ def test_masks_keep_exactly_the_visible_triples(name, case):
 ])  # fmt: skip
 def test_mask_checker_rejects_wrong_masks(name, case):
     assert mask_failures(name, case) != []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_mask_checker_rejects_positions_the_kernel_did_not_get():
+    """Negative controls: a positions case judged by bottom-right alignment, and judged by other
+    positions (each token one later), must fail."""
+    case = MASK_CASES["e-hd512-g1"][-1]
+    pos = case["positions"]
+    bottom_right = [100 + i + 700 for i in range(200)]  # kv_start + i + seqlen_k - seqlen_q
+    assert mask_failures("e-hd512-g1", {**case, "m_blocks": [1], "judge_positions": bottom_right}) != []
+    assert mask_failures("e-hd512-g1", {**case, "m_blocks": [0], "judge_positions": [p + 1 for p in pos]}) != []
 
 
 @pytest.mark.proof
@@ -784,6 +812,8 @@ def test_seams():
 COMPILE_CASES = [
     (512, HCA_512),
     (512, dict(HCA_512, has_topk=True)),
+    (512, dict(HCA_512, has_topk=True, has_positions=True)),
+    (512, dict(HCA_512, has_positions=True)),
     (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
            "index_mode": True}),
     (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_sink": True, "has_compressed": True}),

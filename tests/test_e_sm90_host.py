@@ -118,7 +118,7 @@ KERNELS = {  # name: (head_dim, options)
 
 
 @functools.cache
-def runner(name: str, window: bool, wrong: str | None = None):
+def runner(name: str, window: bool, wrong: str | None = None, positions: bool = False):
     from cutlass.cute.runtime import from_dlpack
 
     from dsv4_attention.common import jit
@@ -132,9 +132,12 @@ def runner(name: str, window: bool, wrong: str | None = None):
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, m_block: Int32, rows: Int32,
-             seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32, kv_start: Int32):
+             seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_c: Int32, kv_start: Int32, pos: cute.Tensor):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, None, kv_start)
+        pos_row = None
+        if cutlass.const_expr(positions):
+            pos_row = pos
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, None, kv_start, pos_row)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -145,19 +148,22 @@ def runner(name: str, window: bool, wrong: str | None = None):
             torch.zeros(3, dtype=torch.int32))
     with target_arch("sm90"):
         fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 8),
-                          options=f"--gpu-arch={GPU_ARCH['sm90']}")
+                          from_dlpack(torch.zeros(4, dtype=torch.int32)), options=f"--gpu-arch={GPU_ARCH['sm90']}")
     return kernel, fn, bufs
 
 
-def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_start=0):
-    """{(packed row, source, key): times kept} over the real rows of Q tile m_block."""
+def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_start=0,
+               positions=None):
+    """{(packed row, source, key): times kept} over the real rows of Q tile m_block (``positions``:
+    the query tokens' absolute positions, given to the span)."""
     from cutlass.cute.runtime import from_dlpack
 
-    kernel, fn, bufs = runner(name, window, wrong)
+    kernel, fn, bufs = runner(name, window, wrong, positions is not None)
     out, coords, info = (b.zero_() for b in bufs)
     g, tile_n = kernel.pack_group, kernel.tile_n
     fn(*[from_dlpack(b) for b in (out, coords, info)], *[Int32(x) for x in (m_block, seqlen_q * g, seqlen_k,
-                                                                          left, right, ratio, n_c, kv_start)])
+                                                                          left, right, ratio, n_c, kv_start)],
+       from_dlpack(torch.tensor([0] if positions is None else positions, dtype=torch.int32)))
     origin, n_tiles, n_cmp = info.tolist()
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
     assert bool(torch.all((out == 0) | (out == -float("inf")))), "a value neither kept nor -inf"
@@ -175,11 +181,17 @@ def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ra
     return kept, kernel
 
 
-def visible(kernel, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_start=0) -> set:
+def visible(kernel, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_start=0, positions=None) -> set:
     pairs = set()
     for r in range(m_block * kernel.tile_m, (m_block + 1) * kernel.tile_m):
         token = r // kernel.pack_group
-        if token < seqlen_q:
+        if token < seqlen_q and positions is not None:  # absolute position positions[token], key j at kv_start + j
+            p = positions[token] - kv_start
+            win = (j for j in range(seqlen_k)
+                   if (left is None or j >= p - left) and (right is None or j <= p + right))
+            count = min(n_c, (positions[token] + 1) // ratio)
+            pairs |= {(r, "w", j) for j in win} | {(r, "c", j) for j in range(count)}
+        elif token < seqlen_q:
             win = (j for j in range(seqlen_k) if kv_span.visible(token, j, seqlen_q, seqlen_k, left, right))
             ent = (j for j in range(n_c) if compressed_visible(token, j, seqlen_q, seqlen_k, ratio, n_c, kv_start))
             pairs |= {(r, "w", j) for j in win} | {(r, "c", j) for j in ent}
@@ -230,6 +242,35 @@ def test_checker_rejects_a_span_that_ignores_kv_start():
         kept, kernel = kept_pairs("rows-g1", True, None, m, 40, 150, 127, 0, 4, 300, 1000)
         bad += [m] if set(kept) != visible(kernel, m, 40, 150, 127, 0, 4, 300, 0) else []
     assert bad
+
+
+POSITION_PROBLEMS = [  # seqlen_q, seqlen_k, ratio, entries, kv_start, positions (absolute, non-decreasing)
+    (300, 1000, 4, 300, 0, [400 + (i * 3) // 2 for i in range(300)]),  # a chunk mid-sequence, with repeats
+    (200, 900, 128, 8, 100, sorted((i * 37) % 800 + 100 for i in range(200))),  # jumps, a window cache
+    (40, 300, 4, 80, 0, [5] * 20 + [290] * 20),  # two clusters far apart in one Q tile
+]
+
+
+@pytest.mark.parametrize("name", ["rows-g1", "split-g8", "rows-g64"])
+def test_kept_pairs_with_positions(name):
+    """Per-token positions: the kept pairs are exactly those of each token at its own position.
+    Negative control: the same runs judged by bottom-right alignment must fail."""
+    bad, control = [], []
+    g = KERNELS[name][1]["pack_group"]
+    for sq, sk, ratio, n_c, kv_start, pos in POSITION_PROBLEMS:
+        for left, right in ((127, 0), (5, 3)):
+            kernel = runner(name, True, None, True)[0]
+            tiles = -(-sq * g // kernel.tile_m)
+            for m in sorted({0, 1, tiles // 2, tiles - 1} & set(range(tiles))):
+                kept, kernel = kept_pairs(name, True, None, m, sq, sk, left, right, ratio, n_c, kv_start, pos)
+                want = visible(kernel, m, sq, sk, left, right, ratio, n_c, kv_start, pos)
+                if set(kept) != want or any(c != 1 for c in kept.values()):
+                    bad.append(f"sq{sq} sk{sk} r{ratio} window({left},{right}) m{m}: extra "
+                               f"{sorted(set(kept) - want)[:3]} missing {sorted(want - set(kept))[:3]}")
+                if set(kept) != visible(kernel, m, sq, sk, left, right, ratio, n_c, kv_start):
+                    control.append(m)
+    assert bad == []
+    assert control, "bottom-right alignment judged the positions runs correct: the check cannot see positions"
 
 
 def test_span_visits_only_tiles_with_visible_entries():

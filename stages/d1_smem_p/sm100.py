@@ -172,7 +172,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from dsv4_attention.common.kv_span import KvSpan
+from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.sm100_correction import (
@@ -284,6 +284,7 @@ class FlashAttentionD1Sm100:
         compress_ratio: cutlass.Int32 = None,
         mTopk: cute.Tensor | None = None,
         kv_start: cutlass.Int32 = None,
+        mPositions: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -361,6 +362,7 @@ class FlashAttentionD1Sm100:
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink, tma_atom_c, tma_c, compress_ratio, mTopk, kv_start,
+            mPositions,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
@@ -420,13 +422,14 @@ class FlashAttentionD1Sm100:
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0,
-                n_compressed=0, mTopk=None, kv_start=0) -> KvSpan:
+                n_compressed=0, mTopk=None, kv_start=0, positions=None) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py; stage
         E adds compressed tiles in front, common/compressed.py: ``n_compressed`` entries, ratio
         ``compress_ratio``, top-k: ``mTopk`` the request's (seqlen_q, k) lists or None, ``kv_start`` the
-        absolute position of raw key 0; all ignored here)."""
+        absolute position of raw key 0; ``positions`` the request's query tokens' absolute positions
+        or None for bottom-right alignment)."""
         return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
-                      window_right, self.has_left, self.has_right)
+                      window_right, self.has_left, self.has_right, positions, kv_start)
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
@@ -506,6 +509,7 @@ class FlashAttentionD1Sm100:
         compress_ratio: Int32 | None,  # E: entry j is visible to position t' iff j < (t' + 1) // ratio
         mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of entries, -1 padded
         kv_start: Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
+        mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
     ):
         bx, h, request = cute.arch.block_idx()
         m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
@@ -514,7 +518,7 @@ class FlashAttentionD1Sm100:
             request, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
         args = (qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
                 scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-                n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk, kv_start)
+                n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk, kv_start, mPositions)
         if const_expr(self.varlen):
             # the grid spans the longest request: a tile past its request's rows loads and stores
             # nothing (uniform per CTA: no thread reaches a barrier)
@@ -527,7 +531,7 @@ class FlashAttentionD1Sm100:
     def tile(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
         scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-        n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk, kv_start,
+        n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk, kv_start, mPositions,
     ):  # fmt: skip
         """One CTA's work: Q tile m_blk (O half ``half``) of head h (KV head hk) of request b, on the
         request's views (``request_views``: n_rows packed rows, seqlen_k keys)."""
@@ -540,7 +544,7 @@ class FlashAttentionD1Sm100:
         if const_expr(mTopk is not None):
             mTopk_b = mTopk[b, None, None]
         span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0], mTopk_b,
-                            kv_start)
+                            kv_start, positions_row(mPositions, b))
         n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:

@@ -81,7 +81,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from dsv4_attention.common.compile import SMEM_LIMIT
-from dsv4_attention.common.kv_span import KvSpan
+from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import check_attention_operands, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.pack_heads import rows
@@ -213,6 +213,7 @@ class FlashAttentionD1Sm90:
         compress_ratio: cutlass.Int32 = None,
         mTopk: cute.Tensor | None = None,
         kv_start: cutlass.Int32 = None,
+        mPositions: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -281,7 +282,7 @@ class FlashAttentionD1Sm90:
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem, kv_start,
+            mTopk, mC_mem, kv_start, mPositions,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -305,12 +306,13 @@ class FlashAttentionD1Sm90:
         return seqlen_k
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                mTopk, kv_start=0) -> KvSpan:
+                mTopk, kv_start=0, positions=None) -> KvSpan:
         """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py;
         the fused stage adds compressed tiles in front, common/compressed.py, whose visibility
-        counts absolute positions from ``kv_start``)."""
+        counts absolute positions from ``kv_start``; ``positions``: the request's query tokens'
+        absolute positions, or None for bottom-right alignment)."""
         return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
-                      self.has_left, self.has_right)
+                      self.has_left, self.has_right, positions, kv_start)
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
@@ -370,6 +372,7 @@ class FlashAttentionD1Sm90:
         mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of compressed entries
         mC_mem: cute.Tensor,  # the compressed entries' memory (seqlen_c, d, kv_heads, batch); O's where unused
         kv_start: cutlass.Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
+        mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -431,7 +434,7 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(mTopk is not None):
                 topk_b = mTopk[b, None, None]
             span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0],
-                                topk_b, kv_start)
+                                topk_b, kv_start, positions_row(mPositions, b))
             if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
                 span.stage_lists(storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))), self.slots)
             origin, n_blocks = span.origin, span.n_tiles

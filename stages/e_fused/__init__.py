@@ -16,7 +16,8 @@ so the result is the exact softmax over the union, not a merge of two rounded ha
 entries each token lists take part, gathered by the kernel (sm90: cp.async by the producer
 warpgroup; sm100: TMA gather). ``index_attention``: FlashMLA's sparse attention (index lists as a
 token's only keys) on the same kernel. ``kv_start`` places the raw keys in the sequence when they are only its last
-rows. Not yet here: per-token ``positions``, and compressed entries with ``cu_seqlens``
+rows; ``positions`` places each query token (non-decreasing absolute positions: a prefill chunk
+anywhere in its sequence). Not yet here: compressed entries or ``positions`` with ``cu_seqlens``
 (ValueError).
 """
 
@@ -58,7 +59,8 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
             window_size=(None, None), seqused_k: torch.Tensor | None = None,
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
-            kv_start: int = 0, out=None, lse_out=None, p_in_smem: bool | None = None):
+            kv_start: int = 0, positions: torch.Tensor | None = None, out=None, lse_out=None,
+            p_in_smem: bool | None = None):
     """Stage D5's attention over the window's keys plus the compressed entries.
 
     ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
@@ -69,7 +71,12 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     on sm90). ``kv_start``: the absolute position of ``k``'s row 0 when ``k`` holds only the last
     rows of a longer sequence (DeepSeek-V4's window cache; a context-parallel shard with its halo):
     the window is taken in ``k``'s rows as always, the compressed visibility at the absolute position
-    kv_start + i + seqlen_k - seqlen_q. Returns (o, lse), lse over both key sets, without the sink."""
+    kv_start + i + seqlen_k - seqlen_q. ``positions`` ([seqlen_q] or [batch, seqlen_q] int32,
+    non-decreasing along a request's tokens): the query tokens' absolute positions instead of that
+    alignment (a prefill chunk placed anywhere in its sequence; raw key j stays at kv_start + j):
+    query i sees raw key j iff positions[i] - left <= kv_start + j <= positions[i] + right and entry j
+    iff j < floor((positions[i] + 1) / ratio). Returns (o, lse), lse over both key sets, without
+    the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -79,7 +86,7 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
                                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                               max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
                                               compressed_kv=compressed_kv, compress_ratio=compress_ratio,
-                                              topk_indices=topk_indices, kv_start=kv_start)
+                                              topk_indices=topk_indices, kv_start=kv_start, positions=positions)
 
 
 def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax_scale: float | None = None,

@@ -49,15 +49,15 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
     topk_words_on_host = False
 
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
-                 index_mode: bool = False, **options):
+                 index_mode: bool = False, has_positions: bool = False, **options):
         super().__init__(dtype, head_dim, **options)
-        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode)
+        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode, has_positions)
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0, n_compressed=0,
-                mTopk=None, kv_start=0):
+                mTopk=None, kv_start=0, positions=None):
         if cutlass.const_expr(not self.has_compressed):
             return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk, kv_start)
+                                   mTopk, kv_start, positions)
         token = m_block * QK_TILE_M // self.pack_group  # top-k: the tile's one token
         if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
             return IndexSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, n_compressed,
@@ -65,9 +65,10 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         if cutlass.const_expr(self.has_topk):
             return TopkSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
                             window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1], kv_start)
+                            mTopk[token, None], mTopk.shape[1], kv_start, positions)
         return FusedSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start)
+                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start,
+                         positions)
 
     def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
         if not self.has_topk:

@@ -40,9 +40,9 @@ UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte ro
 
 class FlashAttentionESm90(FlashAttentionD5Sm90):
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
-                 index_mode: bool = False, **options):
+                 index_mode: bool = False, has_positions: bool = False, **options):
         super().__init__(dtype, head_dim, **options)
-        set_options(self, self.tile_m, has_compressed, has_topk, index_mode)
+        set_options(self, self.tile_m, has_compressed, has_topk, index_mode, has_positions)
         if self.has_topk:
             # every producer thread gathers rows; each chunk's full barrier counts all of them
             self.producer_warps = THREADS_PER_WARPGROUP // 32
@@ -53,10 +53,10 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             self.producer_regs += 8 * self.num_wg
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk,
-                kv_start=0):
+                kv_start=0, positions=None):
         if cutlass.const_expr(not self.has_compressed):
             return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk, kv_start)
+                                   mTopk, kv_start, positions)
         token = m_block * self.tile_m // self.pack_group
         if cutlass.const_expr(self.index_mode):  # the list is every key
             return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, n_compressed,
@@ -64,9 +64,10 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         if cutlass.const_expr(self.has_topk):  # the Q tile's one token's list
             return TopkSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
                             window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1], kv_start)
+                            mTopk[token, None], mTopk.shape[1], kv_start, positions)
         return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start)
+                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start,
+                         positions)
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
