@@ -230,7 +230,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                 if not compressed_kv.is_contiguous():  # rows are gathered by (batch, entry) address arithmetic
                     raise ValueError("with topk_indices, compressed_kv must be contiguous")
             if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
-                entries[:] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
+                entries[:3] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
                 chosen["has_compressed"] = True
                 if topk_indices is not None:
                     chosen["has_topk"] = True

@@ -176,7 +176,7 @@ def test_bad_positions_are_refused_before_launch(arch):
     q, kv, _, _ = attention_inputs(2, 10, 50, 64, 1, 512, torch.bfloat16, kv_shared=True)
     pos = torch.arange(10, dtype=torch.int32, device="cuda")
     for bad, match in [(pos.long(), "int32"), (pos[:9], "seqlen_q"), (pos.flip(0), "non-decreasing"),
-                       (pos - 5, r"\[0, 2\^30\)"), (pos.cpu(), "device"), (torch.stack([pos, pos], 1).T, "contiguous")]:
+                       (pos - 5, r"\[0, 2\^30\)"), (pos.cpu(), "like q"), (torch.stack([pos, pos], 1).T, "contiguous")]:
         with pytest.raises(ValueError, match=match):
             stage.forward(q, kv, positions=bad, causal=True)
 
