@@ -60,7 +60,7 @@ def kernel_class(wrong: str | None):
         return FlashAttentionESm90
     if wrong == "floor_t":
         class FloorT(FlashAttentionESm90):
-            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0):
+            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0, positions=None):
                 return FloorTSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
                                   self.has_left, self.has_right, ratio, n_c)
 
