@@ -60,11 +60,17 @@ def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index
         raise ValueError("compressed entries with cu_seqlens are not supported yet: pass batched tensors")
 
 
+def compressed_visible_at(t: int, j: int, ratio: int, n_compressed: int) -> bool:
+    """The plain formula, one (query at absolute position t, compressed entry j) pair: for tests
+    and host proofs."""
+    return 0 <= j < n_compressed and (t + 1) >= 0 and j < (t + 1) // ratio
+
+
 def compressed_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, ratio: int, n_compressed: int,
                        kv_start: int = 0) -> bool:
-    """The plain formula, one (query token, compressed entry) pair: for tests and host proofs."""
-    t = kv_start + i + seqlen_k - seqlen_q
-    return 0 <= j < n_compressed and (t + 1) >= 0 and j < (t + 1) // ratio
+    """``compressed_visible_at`` of query token i, bottom-right aligned (t = kv_start + i +
+    seqlen_k - seqlen_q)."""
+    return compressed_visible_at(kv_start + i + seqlen_k - seqlen_q, j, ratio, n_compressed)
 
 
 def compressed_count_at(position, ratio, n_compressed, kv_start=0):

@@ -163,8 +163,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     call needs."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     plan = plan_key = None
-    if not varlen and seqused_k is None and topk_indices is None and positions is None:  # else a check reads
-        # values: every call
+    # a call whose checks read tensor values (lengths, lists, positions) is validated every time
+    if not varlen and seqused_k is None and topk_indices is None and positions is None:
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode)
         plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan,
                                           (learnable_sink, compressed_kv))
@@ -184,13 +184,11 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
     if positions is not None and varlen:
         raise ValueError("positions with cu_seqlens is not supported: pass batched tensors")
-    if positions is not None and index_mode:
-        raise ValueError("positions: index mode has no window or visibility rule to place")
     if compressed and varlen:
         raise ValueError("compressed_kv with cu_seqlens is not supported yet: pass batched [batch, seqlen, heads, "
                          "head_dim] tensors")
-    entries = [None, None, None, None]  # (compressed_kv, compress_ratio, topk_indices, positions) as the kernel
-    # gets them
+    entries = [None, None, None]  # (compressed_kv, compress_ratio, topk_indices) as the kernel gets them
+    position_rows = [None]  # positions as the kernel gets them: (1 or batch, seqlen_q)
 
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
@@ -219,7 +217,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
         chosen = {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
         if positions is not None:
-            entries[3] = check_positions(positions, q.shape[0], q.shape[1], q.device)
+            position_rows[0] = check_positions(positions, q.shape[0], q.shape[1], q.device)
             chosen["has_positions"] = True
         if compressed:
             if topk_indices is not None and compressed_kv is None:
@@ -230,7 +228,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                 if not compressed_kv.is_contiguous():  # rows are gathered by (batch, entry) address arithmetic
                     raise ValueError("with topk_indices, compressed_kv must be contiguous")
             if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
-                entries[:3] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
+                entries[:] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
                 chosen["has_compressed"] = True
                 if topk_indices is not None:
                     chosen["has_topk"] = True
@@ -245,7 +243,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                                  extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
                                                               compressed_kv=entries[0], compress_ratio=entries[1],
                                                               topk_indices=entries[2], kv_start=kv_start,
-                                                              positions=entries[3]))
+                                                              positions=position_rows[0]))
     # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
     # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -12,7 +12,9 @@ The span of a Q tile whose rows hold tokens [t_lo, t_hi] is the keys any of them
     lo = max(0, t_lo' - left)   (0 without a left bound)
     hi = min(seqlen_k, t_hi' + right + 1)   (seqlen_k without a right bound)
 
-and the kernels cut it into KV tiles starting at ``origin = lo``, not at a multiple of tile_n:
+(with per-token ``positions``, stage E, t' is the token's given position: ``token_position``;
+the positions are non-decreasing, so t_lo' and t_hi' still bound the tile's rows) and the kernels
+cut it into KV tiles starting at ``origin = lo``, not at a multiple of tile_n:
 TMA boxes may start at any row, so a window of w keys takes ceil(w / tile_n) tiles instead of
 one more half-masked tile (DeepSeek-V4's 128-key window over one token's heads: two 64-key
 tiles, not three). An empty span (a window that hides every key, seqused_k = 0) still visits
@@ -33,10 +35,15 @@ import cutlass
 import cutlass.cute as cute
 
 
+def visible_at(p: int, j: int, seqlen_k: int, left, right) -> bool:
+    """The plain formula, one (query at position p of the keys' frame, key j) pair: for tests and
+    host proofs."""
+    return 0 <= j < seqlen_k and (left is None or j >= p - left) and (right is None or j <= p + right)
+
+
 def visible(i: int, j: int, seqlen_q: int, seqlen_k: int, left, right) -> bool:
-    """The plain formula, one (query token, key) pair: for tests and host proofs."""
-    ip = i + seqlen_k - seqlen_q
-    return 0 <= j < seqlen_k and (left is None or j >= ip - left) and (right is None or j <= ip + right)
+    """``visible_at`` of query token i, bottom-right aligned (i' = i + seqlen_k - seqlen_q)."""
+    return visible_at(i + seqlen_k - seqlen_q, j, seqlen_k, left, right)
 
 
 def tile_tokens(m_block, tile_m: int, group: int, seqlen_q):
@@ -141,8 +148,8 @@ class KvSpan:
         self.tile_n, self.group = tile_n, group
         self.left, self.right, self.has_left, self.has_right = left, right, has_left, has_right
         self.positions, self.kv_start = positions, kv_start
-        self.t_lo, self.t_hi = tile_tokens(m_block, tile_m, group, self.seqlen_q)
-        self.p_lo, self.p_hi = self.token_position(self.t_lo), self.token_position(self.t_hi)
+        t_lo, t_hi = tile_tokens(m_block, tile_m, group, self.seqlen_q)
+        self.p_lo, self.p_hi = self.token_position(t_lo), self.token_position(t_hi)
         self.origin, self.n_tiles = key_span_at(self.p_lo, self.p_hi, seqlen_k, tile_n, left, right, has_left,
                                                 has_right)
 
@@ -151,8 +158,8 @@ class KvSpan:
         return token_position(token, self.seqlen_q, self.seqlen_k, self.positions, self.kv_start)
 
     # A runtime loop that uses the span carries it through its IR values (the DSL integers)
-    _DYNAMIC = ("seqlen_q", "seqlen_k", "left", "right", "t_lo", "t_hi", "p_lo", "p_hi", "origin", "n_tiles",
-                "positions", "kv_start")
+    _DYNAMIC = ("seqlen_q", "seqlen_k", "left", "right", "p_lo", "p_hi", "origin", "n_tiles", "positions",
+                "kv_start")
 
     def __extract_mlir_values__(self):
         values, self._counts = [], []

@@ -77,10 +77,11 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     """
     key = None
     if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None and \
-            positions is None and kv_start == 0:
+            positions is None:
         # validated once per signature (common/call_plan.py): a repeated one goes to its kernel
         key = call_plan.entry_key(q, k, v, compressed_kv, learnable_sink, out, lse_out,
-                                  (softmax_scale, causal, compress_ratio, pack_gqa, max_seqlen_q, max_seqlen_k),
+                                  (softmax_scale, causal, compress_ratio, pack_gqa, max_seqlen_q, max_seqlen_k,
+                                   kv_start),
                                   window_size)
         if key is not None:
             # extra: the final stage's plan tensors, in masked_attention_forward's order

@@ -37,7 +37,7 @@ from cutlass import Int32
 from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers, thread_replayer
 
 from dsv4_attention.common import kv_span
-from dsv4_attention.common.compressed import compressed_visible
+from dsv4_attention.common.compressed import compressed_visible, compressed_visible_at
 from dsv4_attention.common.layout_proof import first_mismatches
 from dsv4_attention.common.sm100_softmax import visible_columns
 from dsv4_attention.common.tmem import QK_TILE_M
@@ -106,14 +106,11 @@ def visible_triples(m_blk: int, group: int, case: dict, left, right) -> set:
             want |= {(r, "c", j) for j in range(entries)
                      if compressed_visible(token, j, sq, sk, ratio, entries, start)}
         elif token < sq:  # the token at absolute position positions[token], raw key j at start + j
-            want |= {(r, "w", j) for j in range(sk) if visible_at(positions[token] - start, j, sk, left, right)}
-            want |= {(r, "c", j) for j in range(min(entries, (positions[token] + 1) // ratio))}
+            want |= {(r, "w", j) for j in range(sk)
+                     if kv_span.visible_at(positions[token] - start, j, sk, left, right)}
+            want |= {(r, "c", j) for j in range(entries)
+                     if compressed_visible_at(positions[token], j, ratio, entries)}
     return want
-
-
-def visible_at(p: int, j: int, seqlen_k: int, left, right) -> bool:
-    """The plain formula for a query at position p of the keys' frame (key j at j)."""
-    return 0 <= j < seqlen_k and (left is None or j >= p - left) and (right is None or j <= p + right)
 
 
 def mask_failures(name: str, case: dict) -> list[str]:

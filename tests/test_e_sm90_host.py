@@ -27,7 +27,7 @@ import torch
 from cutlass import Float32, Int32
 
 from dsv4_attention.common import kv_span
-from dsv4_attention.common.compressed import FusedSpan, compressed_visible
+from dsv4_attention.common.compressed import FusedSpan, compressed_visible, compressed_visible_at
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 
 pytestmark = [pytest.mark.arch("sm90"), pytest.mark.stage_e, pytest.mark.proof]
@@ -186,11 +186,10 @@ def visible(kernel, m_block, seqlen_q, seqlen_k, left, right, ratio, n_c, kv_sta
     for r in range(m_block * kernel.tile_m, (m_block + 1) * kernel.tile_m):
         token = r // kernel.pack_group
         if token < seqlen_q and positions is not None:  # absolute position positions[token], key j at kv_start + j
-            p = positions[token] - kv_start
-            win = (j for j in range(seqlen_k)
-                   if (left is None or j >= p - left) and (right is None or j <= p + right))
-            count = min(n_c, (positions[token] + 1) // ratio)
-            pairs |= {(r, "w", j) for j in win} | {(r, "c", j) for j in range(count)}
+            p = positions[token] - kv_start  # in the keys' frame
+            win = (j for j in range(seqlen_k) if kv_span.visible_at(p, j, seqlen_k, left, right))
+            ent = (j for j in range(n_c) if compressed_visible_at(positions[token], j, ratio, n_c))
+            pairs |= {(r, "w", j) for j in win} | {(r, "c", j) for j in ent}
         elif token < seqlen_q:
             win = (j for j in range(seqlen_k) if kv_span.visible(token, j, seqlen_q, seqlen_k, left, right))
             ent = (j for j in range(n_c) if compressed_visible(token, j, seqlen_q, seqlen_k, ratio, n_c, kv_start))
