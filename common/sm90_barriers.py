@@ -61,3 +61,42 @@ def pingpong_pass(wg: cutlass.Int32, num_wg: cutlass.Constexpr[int]):
     if cutlass.const_expr(num_wg == 2):
         nxt = 1 - wg
     cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0) + nxt, number_of_threads=PINGPONG_THREADS)
+
+
+# ---- one warpgroup hands data in SMEM to another, once per round (stage D1's seesaw) ----
+
+
+class Handoff:
+    """An mbarrier that the 128 threads of one warpgroup arrive on once their SMEM writes of a
+    round are done (each thread's arrive releases its own writes: the PTX memory model's
+    mbarrier.arrive.release), and that the other warpgroup waits for (acquire) before reading
+    them. Round r completes phase r, so the waiter passes parity r & 1. A round's writer may only
+    start round r + 1 once the reader is done with round r: the seesaw orders that through the
+    handoff going the other way (see stage D1's sm90 kernel).
+
+    Named barriers (bar.arrive / bar.sync) order the same, but compute-sanitizer's racecheck
+    reports false hazards around bar.arrive (one even across a bar.sync of all 256 threads;
+    the count varied between runs of the same launch), so the kernel uses what the tool checks."""
+
+    def __init__(self, bar: cute.Pointer):
+        self.bar = bar
+
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values(self.bar)
+
+    def __new_from_mlir_values__(self, values):
+        return Handoff(cutlass.new_from_mlir_values(self.bar, values))
+
+    @cute.jit
+    def init(self):
+        cute.arch.mbarrier_init(self.bar, 128)
+
+    @cute.jit
+    def arrive(self):
+        """Every thread of the writing warpgroup, after its writes (and their proxy fence)."""
+        cute.arch.mbarrier_arrive(self.bar)
+
+    @cute.jit
+    def wait(self, round_):
+        """The reading warpgroup, before its reads of round ``round_``."""
+        cute.arch.mbarrier_wait(self.bar, round_ & 1)

@@ -22,6 +22,13 @@ phase = (t // slots) & 1):
                  thread arrives (count = consumer threads): an arrive releases its own thread's
                  reads only. The producer waits
                  (phase ^ 1: the first use of every slot passes at once) before loading.
+    empty[s, h]  with ``halves`` (stage D1's seesaw): two empties per slot, h = 0 guarding
+                 chunks [0, r_chunk) (and a top-k slot's staged list), h = 1 chunks
+                 [r_chunk, chunks); each counts the warps that read that half of a tile in
+                 slot s (``halves[s % 2][h]``: the seesaw's slot parity is the warpgroup that
+                 computes the tile's S). The producer waits for half 1 only before chunk
+                 r_chunk, so the next tile's first chunks land while the last PV that reads
+                 the second half still runs.
 
 Chunk c of slot s is the (tile_n, 64) block at columns 64 c of the slot's (tile_n, d) tile
 in ``common.sm90_gemm.make_tile_smem_layout`` (the layout the QK and PV views read); the
@@ -41,8 +48,12 @@ CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 
 class KvChunkRing:
     def __init__(self, full: cute.Pointer, empty: cute.Pointer, slots: int, chunks: int, chunk_bytes: int,
-                 consumer_warps: int, full_arrivals: int = 1, lanes_read_slot: bool = False):
+                 consumer_warps: int, full_arrivals: int = 1, lanes_read_slot: bool = False,
+                 halves: tuple | None = None, r_chunk: int = 0):
         self.full = full
+        # halves: ((warps reading half 0, half 1) of an even slot, (...) of an odd slot), or None
+        self.halves = halves
+        self.r_chunk = r_chunk if halves is not None else 0
         self.lanes_read_slot = lanes_read_slot
         self.full_arrivals = full_arrivals
         self.empty = empty
@@ -64,9 +75,39 @@ class KvChunkRing:
         return new
 
     @staticmethod
-    def barrier_count(slots: int, chunks: int) -> tuple[int, int]:
+    def barrier_count(slots: int, chunks: int, halves: bool = False) -> tuple[int, int]:
         """(full, empty) mbarriers a ring needs."""
-        return slots * chunks, slots
+        return slots * chunks, slots * (2 if halves else 1)
+
+    def empty_halves(self) -> int:
+        return 1 if self.halves is None else 2
+
+    def empty_count(self, s: int, h: int) -> int:
+        """Arrivals that free half h of slot s (the whole slot without halves)."""
+        warps = self.consumer_warps if self.halves is None else self.halves[s % 2][h]
+        return warps * (32 if self.lanes_read_slot else 1)
+
+    def empty_bar(self, s, h: int = 0):
+        return self.empty + (s * self.empty_halves() + h)
+
+    @cute.jit
+    def wait_empty(self, t: cutlass.Int32, c: int):
+        """Producer: before chunk c of tile use t, wait for the half that guards it (once per half)."""
+        s = t % self.slots
+        phase = (t // self.slots) & 1
+        if cutlass.const_expr(c == 0):
+            cute.arch.mbarrier_wait(self.empty_bar(s, 0), phase ^ 1)
+        if cutlass.const_expr(self.halves is not None and c == self.r_chunk):
+            cute.arch.mbarrier_wait(self.empty_bar(s, 1), phase ^ 1)
+
+    @cute.jit
+    def wait_full(self, t: cutlass.Int32, first_chunk: int, end_chunk: int):
+        """Consumer: wait until chunks [first_chunk, end_chunk) of tile use t have landed (a
+        warpgroup that reads a tile another warpgroup's QK already waited for)."""
+        s = t % self.slots
+        phase = (t // self.slots) & 1
+        for c in cutlass.range_constexpr(first_chunk, end_chunk):
+            cute.arch.mbarrier_wait(self.full + (s * self.chunks + c), phase)
 
     @cute.jit
     def init(self):
@@ -74,7 +115,8 @@ class KvChunkRing:
         for i in cutlass.range_constexpr(self.slots * self.chunks):
             cute.arch.mbarrier_init(self.full + i, self.full_arrivals)
         for s in cutlass.range_constexpr(self.slots):
-            cute.arch.mbarrier_init(self.empty + s, self.consumer_warps * (32 if self.lanes_read_slot else 1))
+            for h in cutlass.range_constexpr(self.empty_halves()):
+                cute.arch.mbarrier_init(self.empty_bar(s, h), self.empty_count(s, h))
 
     @cute.jit
     def load(self, t: cutlass.Int32, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor,
@@ -83,9 +125,8 @@ class KvChunkRing:
         ``dst`` (atom, 1, chunks, slots) are the TMA partitions of the chunked global and
         SMEM views."""
         s = t % self.slots
-        phase = (t // self.slots) & 1
-        cute.arch.mbarrier_wait(self.empty + s, phase ^ 1)
         for c in cutlass.range_constexpr(self.chunks):
+            self.wait_empty(t, c)
             bar = self.full + (s * self.chunks + c)
             with cute.arch.elect_one():
                 if cutlass.const_expr(self.full_arrivals == 1):
@@ -96,15 +137,16 @@ class KvChunkRing:
             cute.copy(tma_atom, src[None, n_block, c], dst[None, 0, c, s], tma_bar_ptr=bar)
 
     @cute.jit
-    def release(self, t: cutlass.Int32):
-        """Consumer (every thread of every consumer warp calls it): tile use t's slot is free.
+    def release(self, t: cutlass.Int32, half: int = 0):
+        """Consumer (every thread of every consumer warp calls it): tile use t's slot (with
+        halves: its half ``half``) is free.
         ``lanes_read_slot`` (stage E top-k: the masks read the slot's staged list with ordinary
         loads): every thread arrives, since an arrive releases only its own thread's reads (the
         PTX memory model; racecheck flags a lane-0 release, with or without a warp sync)."""
         if cutlass.const_expr(self.lanes_read_slot):
-            cute.arch.mbarrier_arrive(self.empty + (t % self.slots))
+            cute.arch.mbarrier_arrive(self.empty_bar(t % self.slots, half))
         elif cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(self.empty + (t % self.slots))
+            cute.arch.mbarrier_arrive(self.empty_bar(t % self.slots, half))
 
     @cute.jit
     def gemm_qk(self, t: cutlass.Int32, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,

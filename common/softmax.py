@@ -177,14 +177,52 @@ class OnlineSoftmax:
             out[i] = quad_allreduce(_max_tree([rows[i, j] for j in range(n_cols)]), _fmax)
         return out
 
+    def reset(self):
+        """Statistics of no key yet (m = -inf, l = 0), for a loop whose every tile takes
+        ``update(is_first=False)`` (stage D1's seesaw): the first rescale is exp2(-inf) = 0."""
+        self.row_max.fill(-cutlass.Float32.inf)
+        self.row_sum.fill(0.0)
+
     @cute.jit
-    def update(self, acc: cute.Tensor, is_first: cutlass.Constexpr[bool], tile_max=None) -> cute.Tensor:
+    def m_sub(self, m: cutlass.Float32) -> cutlass.Float32:
+        """The max that exponents subtract: m, or 0 where no key is visible yet (may_be_empty:
+        -inf - -inf would be NaN; P = exp2(-inf - 0) = 0 instead)."""
+        if cutlass.const_expr(self.may_be_empty):
+            return cutlass.Float32(0.0) if m == -cutlass.Float32.inf else m
+        return m
+
+    @cute.jit
+    def new_max(self, tile_max: cute.Tensor) -> cute.Tensor:
+        """The rows' running max after a tile of raw max ``tile_max`` (exp2 domain), without
+        updating anything: what a seesaw leader publishes before its exponentials."""
+        out = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
+        for i in cutlass.range_constexpr(cute.size(self.row_max)):
+            out[i] = _fmax(tile_max[i] * self.scale_log2, self.row_max[i])
+        return out
+
+    @cute.jit
+    def follow(self, m_other: cute.Tensor) -> cute.Tensor:
+        """Adopt the running max ``m_other`` (exp2 domain, >= this one's) that another
+        warpgroup reached over keys this one has not seen: returns r = exp2(m - m_other) per
+        row, by which this thread's O, row sum and any unstored P must be scaled (the row sum
+        is scaled here)."""
+        row_scale = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
+        for i in cutlass.range_constexpr(cute.size(self.row_max)):
+            row_scale[i] = cute.math.exp2(self.row_max[i] - self.m_sub(m_other[i]), fastmath=True)
+            self.row_max[i] = m_other[i]
+            self.row_sum[i] = self.row_sum[i] * row_scale[i]
+        return row_scale
+
+    @cute.jit
+    def update(self, acc: cute.Tensor, is_first: cutlass.Constexpr[bool], tile_max=None, floor=None) -> cute.Tensor:
         """acc (raw scores, masked keys at -inf) <- P in place; returns the per-row
         rescale factor r (1 for the first tile) for O accumulated so far.
 
         ``tile_max`` (optional): the rows' raw max over the whole KV tile when this
         thread holds only part of the tile's keys (stage D1's split warpgroups
-        exchange it); it must be >= the max of this thread's keys and finite."""
+        exchange it); it must be >= the max of this thread's keys and finite.
+        ``floor`` (optional, exp2 domain, >= the running max): a max another warpgroup
+        already reached (the seesaw follower takes the leader's); the new max is at least it."""
         rows = acc_rows_view(acc)
         n_rows = cute.size(rows, mode=[0])
         n_cols = cute.size(rows, mode=[1])
@@ -196,11 +234,11 @@ class OnlineSoftmax:
             m_old = self.row_max[i]
             if cutlass.const_expr(not is_first):
                 m_new = _fmax(m_new, m_old)
+            if cutlass.const_expr(floor is not None):
+                m_new = _fmax(m_new, floor[i])
             self.row_max[i] = m_new
-            m_sub = m_new
-            if cutlass.const_expr(self.may_be_empty):
-                # no visible key yet: subtract 0, not -inf (-inf - -inf is NaN); P = exp2(-inf) = 0
-                m_sub = cutlass.Float32(0.0) if m_new == -cutlass.Float32.inf else m_new
+            # no visible key yet: subtract 0, not -inf (-inf - -inf is NaN); P = exp2(-inf) = 0
+            m_sub = self.m_sub(m_new)
             if cutlass.const_expr(not is_first):
                 row_scale[i] = cute.math.exp2(m_old - m_sub, fastmath=True)
             else:

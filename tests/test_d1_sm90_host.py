@@ -50,8 +50,9 @@ SPLIT = [d for d in SUPPORTED_HEAD_DIMS if d >= 320]
 ROWS = [d for d in SUPPORTED_HEAD_DIMS if d < 320]
 
 
-def kernel_for(head_dim: int) -> FlashAttentionD1Sm90:
-    return FlashAttentionD1Sm90(cutlass.BFloat16, head_dim, kv_shared=True, p_in_smem=True)
+def kernel_for(head_dim: int, kv_shared: bool = True) -> FlashAttentionD1Sm90:
+    """K = V: the seesaw at split head dims; K != V there: the lock-step split."""
+    return FlashAttentionD1Sm90(cutlass.BFloat16, head_dim, kv_shared=kv_shared, p_in_smem=True)
 
 
 def reader(m: int, k: int, buf: int, rows: int, keys: int) -> int:
@@ -60,10 +61,10 @@ def reader(m: int, k: int, buf: int, rows: int, keys: int) -> int:
     return a ^ ((a >> 3) & 0x70)
 
 
-def writes(head_dim: int, wrong: str | None = None) -> dict:
+def writes(head_dim: int, wrong: str | None = None, kv_shared: bool = True) -> dict:
     """Per consumer thread: [(row, key, buf, byte)] of every P value it stores, in register order,
     through the kernel's own sP layout and store partition. ``wrong`` builds a known-bad variant."""
-    k = kernel_for(head_dim)
+    k = kernel_for(head_dim, kv_shared)
 
     def body():
         qk_mma, _ = k.make_mmas()
@@ -79,7 +80,8 @@ def writes(head_dim: int, wrong: str | None = None) -> dict:
             thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if k.split else tidx)
             part = k.p_store_view(coords, wg, thr)
             vals = []
-            for buf in range(k.p_buffers):
+            # the seesaw: warpgroup w stores its whole S tile's P into its own buffer
+            for buf in ([k.own_p_buffer(wg)] if k.seesaw else range(k.p_buffers)):
                 view = part[None, None, None, buf]
                 for i in range(cute.size(view)):
                     c = as_ints(view[i])
@@ -104,9 +106,9 @@ def writes(head_dim: int, wrong: str | None = None) -> dict:
     return out
 
 
-def smem_p_failures(head_dim: int, wrong: str | None = None) -> list:
-    k = kernel_for(head_dim)
-    w = writes(head_dim, wrong)
+def smem_p_failures(head_dim: int, wrong: str | None = None, kv_shared: bool = True) -> list:
+    k = kernel_for(head_dim, kv_shared)
+    w = writes(head_dim, wrong, kv_shared)
     bad = []
     seen: dict[int, tuple] = {}
     for t, vals in w.items():
@@ -137,10 +139,14 @@ def smem_p_failures(head_dim: int, wrong: str | None = None) -> list:
     return bad
 
 
+# K = V at every head dim (the seesaw from 320 on), and the lock-step split of K != V
+STAGING = [(d, True) for d in SUPPORTED_HEAD_DIMS] + [(d, False) for d in SPLIT]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-def test_p_store_lands_where_the_wgmma_reads(head_dim):
-    assert not smem_p_failures(head_dim)
+@pytest.mark.parametrize("head_dim,kv_shared", STAGING)
+def test_p_store_lands_where_the_wgmma_reads(head_dim, kv_shared):
+    assert not smem_p_failures(head_dim, kv_shared=kv_shared)
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
@@ -162,8 +168,10 @@ def test_p_layout_is_the_canonical_sw128_layout(head_dim):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrong", ["element_swizzle", "no_key_offset", "no_swizzle"])
-def test_checker_rejects_wrong_staging(wrong):
-    bad = smem_p_failures(512, wrong)
+@pytest.mark.parametrize("kv_shared", [True, False])
+def test_checker_rejects_wrong_staging(wrong, kv_shared):
+    """no_key_offset: every thread stores as warpgroup 0 (lock step: its keys; seesaw: its buffer)."""
+    bad = smem_p_failures(512, wrong, kv_shared)
     assert bad, wrong
     kinds = {b[0] for b in bad}
     expected = {"element_swizzle": "address", "no_key_offset": "written twice", "no_swizzle": "address"}[wrong]
@@ -200,9 +208,10 @@ def test_split_rejects_p_in_registers():
 
 @pytest.mark.parametrize("head_dim", SPLIT)
 def test_split_operand_views(head_dim):
-    """Warpgroup w's K view holds keys 32 w + j (every column, every slot) and its V view
-    columns c_w + c: the kernel's ``split_operand_views`` on coordinate tensors."""
-    k = FlashAttentionD1Sm90(cutlass.BFloat16, head_dim, kv_shared=True)
+    """Lock-step split (K != V): warpgroup w's K view holds keys 32 w + j (every column, every
+    slot) and its V view columns c_w + c: the kernel's ``split_operand_views`` on coordinate
+    tensors. The seesaw's V view is the same ``v_columns`` (checked below)."""
+    k = FlashAttentionD1Sm90(cutlass.BFloat16, head_dim, kv_shared=False)
     d, n, slots = head_dim, k.tile_n, k.slots
     width, c1 = split_columns(head_dim)
 
@@ -223,3 +232,46 @@ def test_split_operand_views(head_dim):
         assert kshape == (32, d, slots) and vshape == (width, n, slots)
         assert kvals == [(32 * wg + j, c, s) for j in (0, 31) for c in (0, d - 1) for s in range(slots)]
         assert vvals == [(c1 * wg + c, j, s) for c in (0, width - 1) for j in (0, n - 1) for s in range(slots)]
+
+
+def seesaw_pv_chunks(k: FlashAttentionD1Sm90) -> dict:
+    """{warpgroup: the 64-column chunks of a KV tile its PV reads}, from the kernel's own
+    ``v_columns`` view evaluated on a coordinate tensor (every column of every slot)."""
+    d, n, slots = k.head_dim, k.tile_n, k.slots
+
+    def body():
+        out = {}
+        for wg in range(2):
+            vw = k.v_columns(cute.make_identity_tensor((d, n, slots)), wg)
+            out[wg] = sorted({as_ints(vw[c, 0, 0])[0] // 64 for c in range(cute.size(vw, mode=[0]))})
+        return out
+
+    return trace(body, arch="sm90")
+
+
+def seesaw_half_readers(k: FlashAttentionD1Sm90, pv_chunks: dict) -> tuple:
+    """Warps that read half h of a tile whose S warpgroup (the slot's parity) is p: that
+    warpgroup's QK reads every chunk; each warpgroup's PV reads the chunks ``pv_chunks`` lists."""
+    r = k.o_col1 // 64
+    halves = (set(range(r)), set(range(r, k.head_dim // 64)))
+    warps = THREADS_PER_WARPGROUP // 32
+    return tuple(tuple(warps * len({p} | {wg for wg in (0, 1) if set(pv_chunks[wg]) & halves[h]}) for h in (0, 1))
+                 for p in (0, 1))
+
+
+@pytest.mark.parametrize("head_dim", SPLIT)
+def test_seesaw_ring_halves_count_every_reader(head_dim):
+    """The seesaw's ring frees each tile in two halves (chunks below c_1 / 64, the rest), each
+    mbarrier counting one arrival per warp that reads that half. The counts the kernel compiles
+    in (``seesaw_halves``) must equal the readers its own V views imply, or a slot is refilled
+    under a PV still reading it (count too low) or never freed (too high). The leader's PV never
+    reads half 1 except where the halves overlap (320, 448), the follower's never reads half 0."""
+    k = kernel_for(head_dim)
+    assert k.seesaw and k.slots % 2 == 0  # slot parity = the warpgroup whose S tile it holds
+    chunks = seesaw_pv_chunks(k)
+    assert chunks[0][0] == 0 and chunks[1][-1] == head_dim // 64 - 1
+    assert min(chunks[1]) == k.o_col1 // 64  # the follower's PV starts at half 1
+    assert seesaw_half_readers(k, chunks) == k.seesaw_halves()
+    # negative control: PVs that read every column (no split) need 8 warps on every half
+    every = {wg: list(range(head_dim // 64)) for wg in (0, 1)}
+    assert seesaw_half_readers(k, every) != k.seesaw_halves()

@@ -7,7 +7,7 @@ where the span says the tile straddles an edge), compiled into a host function f
 on the CPU* on accumulators of zeros. A value left at 0 is a (row, key) the kernel keeps, one at
 -inf a pair it hides. Tile n of a visit is compressed entries [n T, n T + T) for n < n_cmp and
 window keys origin + (n - n_cmp) T .. otherwise (what the producer's ``load_kv`` loads there). For
-several kernels (rows and split layouts; pack_group 1, 8, 64, 128) and problems (ratio 4 and 128;
+several kernels (rows and seesaw layouts; pack_group 1, 8, 64, 128) and problems (ratio 4 and 128;
 windows (127, 0), (5, 3), none; seqlen_q <, =, > seqlen_k; fewer entries than visible and more;
 Q tiles holding several tokens), the kept pairs of the real rows (token < seqlen_q) must be exactly
 those ``kv_span.visible`` (window) and ``compressed.compressed_visible`` allow, each kept once.
@@ -75,12 +75,20 @@ def kernel_class(wrong: str | None):
     raise ValueError(wrong)
 
 
+def values_per_thread(kernel) -> int:
+    """S values a consumer thread holds of a tile: the seesaw's warpgroup holds the whole tile,
+    the other layouts' threads share it."""
+    return kernel.tile_m * kernel.tile_n // (THREADS_PER_WARPGROUP if kernel.seesaw else kernel.consumer_threads)
+
+
 def mask_replayer(kernel, stage=None):
     """A DSL function (called while a host function is traced) replaying every consumer thread's
     masking of every visit of a span's tiles, as the kernel's consumer loop runs it (``mask_s``:
     first visit, then the rest), on accumulators of zeros: out[thread, visit, value] (0 kept, -inf
-    hidden) and coords[thread, value] = (row, column) in the tile. ``stage(span, it)``, when given,
-    runs before visit it: what the producer may have written to SMEM by then."""
+    hidden) and coords[thread, value] = (row, column) in the tile. The seesaw's visit it is
+    computed and masked by warpgroup it % 2 alone: the other's threads report the tile hidden.
+    ``stage(span, it)``, when given, runs before visit it: what the producer may have written to
+    SMEM by then."""
 
     @cute.jit
     def replay(qk_mma: cute.TiledMma, span, first_row: Int32, out: cute.Tensor, coords: cute.Tensor):
@@ -96,6 +104,9 @@ def mask_replayer(kernel, stage=None):
             if cutlass.const_expr(stage is not None):
                 stage(span, 0)
             kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
+            if cutlass.const_expr(kernel.seesaw):
+                if wg != 0:
+                    acc.fill(-Float32.inf)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 out[tidx, 0, i] = acc[i]
             for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
@@ -103,6 +114,9 @@ def mask_replayer(kernel, stage=None):
                 if cutlass.const_expr(stage is not None):
                     stage(span, it)
                 kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
+                if cutlass.const_expr(kernel.seesaw):
+                    if wg != it % 2:
+                        acc.fill(-Float32.inf)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     out[tidx, it, i] = acc[i]
 
@@ -143,7 +157,7 @@ def runner(name: str, window: bool, wrong: str | None = None, positions: bool = 
         info[2] = span.n_cmp
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    vals = kernel.tile_m * kernel.tile_n // threads
+    vals = values_per_thread(kernel)
     bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
             torch.zeros(3, dtype=torch.int32))
     with target_arch("sm90"):
@@ -386,7 +400,7 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
                 rows_out[n, r] = kernel.gather_source_row(span, n, r)
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    vals = kernel.tile_m * kernel.tile_n // threads
+    vals = values_per_thread(kernel)
     bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
             torch.zeros(3, dtype=torch.int32), torch.zeros(MAX_VISITS, kernel.tile_n, dtype=torch.int32),
             lists_buffer(kernel), torch.zeros(10, 7, dtype=torch.int32))
@@ -432,7 +446,7 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
         tiles = sq * g // tile_m
         for m in sorted({0, 1, tiles // 2, tiles - 1}):
             threads = kernel.consumer_threads
-            vals = tile_m * tile_n // threads
+            vals = values_per_thread(kernel)
             out, coords = torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
             info, rows_out = torch.zeros(3, dtype=torch.int32), torch.full((MAX_VISITS, tile_n), -7, dtype=torch.int32)
             fn(*[from_dlpack(b) for b in (out, coords, info, rows_out, lists_buffer(kernel))], jit.as_cute(idx),

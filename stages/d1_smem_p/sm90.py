@@ -6,23 +6,33 @@
 Stage C's schedule (a TMA producer warp, consumer warpgroups with setmaxnreg, KV tiles
 visited last-first, the next QK overlapping the softmax) with what head dims past 256 need.
 
-Two layouts of the consumer warpgroups (W = 2, or 3 at head dim 64)
-    rows   (head_dim <= 256, stage C's): warpgroup w owns Q rows [64 w, 64 w + 64) of a
-           64 W-row tile, all keys of each KV tile and all head_dim columns of O. P stays
-           in registers (RS wgmma, stage C) or, with p_in_smem, goes through SMEM (SS wgmma).
-    split  (head_dim >= 320): O's 64 x head_dim fp32 is 256 registers a thread at 512, more
-           than a warpgroup has. Both warpgroups own the same 64 Q rows; warpgroup w
-           computes S for keys [32 w, 32 w + 32) of each 64-key tile (full head-dim
-           reduction, k-subtiles of 16 inside the wgmma) and O's columns
-           [c_w, c_w + width), width = round_up(head_dim / 2, 64), c_0 = 0,
-           c_1 = head_dim - width (64-aligned, so V's column view starts on a swizzle
-           atom; at 320 and 448 the halves overlap by 64 columns, computed by both and
-           stored by warpgroup 0). The PV wgmma is 64 x width x 16, width <= 256.
-           The row max is exchanged through SMEM each tile (ROW_STATS), both warpgroups
-           scale by the same max, each writes its P half into the shared sP (both halves
-           are every warpgroup's A operand) and the row sums meet at the end.
+Three layouts of the consumer warpgroups (W = 2, or 3 at head dim 64)
+    rows    (head_dim <= 256, stage C's): warpgroup w owns Q rows [64 w, 64 w + 64) of a
+            64 W-row tile, all keys of each KV tile and all head_dim columns of O. P stays
+            in registers (RS wgmma, stage C) or, with p_in_smem, goes through SMEM (SS wgmma).
+    From head_dim 320 on, O's 64 x head_dim fp32 is 256 registers a thread at 512, more than a
+    warpgroup has: both warpgroups own the same 64 Q rows and split O's columns, warpgroup w
+    holding [c_w, c_w + width), width = round_up(head_dim / 2, 64), c_0 = 0, c_1 = head_dim -
+    width (64-aligned, so V's column view starts on a swizzle atom; at 320 and 448 the halves
+    overlap by 64 columns, computed by both and stored by warpgroup 0). The PV wgmma is
+    64 x width x 16, width <= 256. Each P tile is every warpgroup's A operand.
+    seesaw  (K = V): warpgroup w computes the whole S = Q K^T of every other KV tile (visits
+            2k + w), 64 x 64 per wgmma, so Q is read from SMEM once per tile instead of twice
+            (64 x 32 wgmmas read Q for half the keys each; SMEM bandwidth bounded that kernel
+            near 64 % of the matmul rate). FlashMLA's schedule, in its own words in
+            docs/20250422-new-kernel-deep-dive.md; ours is written out at ``seesaw_lead`` and
+            ``seesaw_follow``. Warpgroup 0 (the leader) takes tile a of a pair, 1 (the
+            follower) tile b; the leader's new row max goes to the follower, which takes the
+            larger of it and its own; the leader rescales its P_a to the follower's max before
+            handing it over. Each adds its own P from registers (RS wgmma) and the other's from
+            SMEM (SS wgmma). After every pair both O halves, both partial row sums and both maxima
+            stand at the same max; the row sums meet at the end.
+    split   (K != V, lock step): warpgroup w computes S for keys [32 w, 32 w + 32) of each
+            64-key tile and the row max is exchanged through SMEM each tile (ROW_STATS). With
+            separate K and V tiles only one of each fits SMEM at 512, too few for two tiles in
+            flight, which the seesaw needs.
 
-Per consumer warpgroup, per Q tile (intra-warpgroup overlap, as stage C)
+Per consumer warpgroup, per Q tile (rows and split; intra-warpgroup overlap, as stage C)
     first:  S = Q K[L]^T (L = n_blocks - 1); mask keys >= seqlen_k; [split: max exchange];
             m, P, l; P -> registers or sP[buffer of L]; O = 0.
     tile n = L-1 .. 0:
@@ -47,9 +57,23 @@ Why the SMEM buffers are free when written (split; two P buffers):
     the next max. rows + p_in_smem: each warpgroup owns its rows of sP and writes them after
     its own wait for the PV that read them, so one buffer suffices.
 
+Why the seesaw's SMEM is free when written (one buffer each):
+    sP[1] (P_b) is rewritten in pair k + 1 after the follower waited for handoff 0 of pair
+    k + 1, which the leader gives after waiting for its PV over P_b(k) (wait_group at the top of
+    its pair). sP[0] (P_a) is rewritten after the leader waited for handoff 1 of the same pair,
+    which the follower gives after waiting for its PV over P_a(k) (the end of its pair k). The
+    max slots: the follower reads the leader's before handing over 1, after which the leader
+    writes the next; the leader reads the follower's before handing over 0 of the next pair,
+    after which the follower writes again. The pair without b (odd tile count) keeps every
+    handoff (the follower hands over its max unchanged), so the protocol never changes shape.
+
 K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot K-major, PV
     reads the same bytes MN-major; the slot is released after PV, so the ring needs >= 2 slots
-    (QK(n) and PV(n+1) hold two), and at head dim 512 two is all that fits. The next tile can
+    (QK(n) and PV(n+1) hold two; the seesaw's pair a, b), and at head dim 512 two is all that
+    fits. The seesaw's ring has an even slot count (slot parity = the warpgroup whose S tile it
+    holds) and frees each tile in two halves, chunks [0, c_1 / 64) and the rest, each counting
+    the warps that read it (``seesaw_halves``): the leader's PV frees the first half of tile a
+    while the follower's PV still reads the second, so the next tile's first chunks land early. The next tile can
     then only load after PV(n+1) freed its slot: the tile lands in 64-column chunks, each with
     its own full barrier, and QK's k-steps over chunk c wait for chunk c only
     (common/sm90_kv_chunks.py; on the H200 this took head dim 512 from 415-441 to 511-523
@@ -61,16 +85,22 @@ Pipelines and barriers
                    consumer warp after the PV that read the slot).
     pipeline_k/v   K != V: PipelineTmaAsync, full/empty per slot; one release arrive per
                    consumer warp.
-    ROW_STATS      split: 256 consumer threads, between the row-max (row-sum) writes and reads.
+    ROW_STATS      split: 256 consumer threads, between the row-max (row-sum) writes and reads;
+                   seesaw: the final row sums.
+    handoffs       seesaw: three mbarriers (common/sm90_barriers.Handoff), one warpgroup's 128
+                   threads arrive after their SMEM writes, the other waits (parity = pair & 1):
+                   the leader's max; the follower's max and P_b; the leader's rescaled P_a.
     P_READY(_WGw)  after the P stores and their async-proxy fence, before any PV reads them.
     EPILOGUE       sQ free for O, then O in SMEM for the TMA store (common/sm90_epilogue.py).
 
 Default tiles (tile_m x tile_n; SMEM = Q + ring + sP, limit 227 KiB)
     head dim   64: 192 x 128   128: 128 x 128   192: 128 x 96   256: 128 x 80   (rows)
-    320 .. 512: 64 x 64 (split); ring slots of 64 x head_dim: K = V 4 / 3 / 3 / 2 slots at
-    320 / 384 / 448 / 512, K and V 2 + 2 / 1 + 1 / 1 + 1 / 1 + 1.
+    320 .. 512: 64 x 64 (seesaw, split); ring slots of 64 x head_dim: K = V 4 / 2 / 2 / 2 slots
+    at 320 / 384 / 448 / 512 (even), K and V 2 + 2 / 1 + 1 / 1 + 1 / 1 + 1.
     p_in_smem (rows) takes tile_n = 128 at head dims <= 128, 64 above (whole swizzled rows).
 """
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -85,7 +115,7 @@ from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import check_attention_operands, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.pack_heads import rows
-from dsv4_attention.common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from dsv4_attention.common.sm90_barriers import Handoff, Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
 from dsv4_attention.common.sm90_epilogue import store_lse
 from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
 from dsv4_attention.common.sm90_gemm import (
@@ -117,6 +147,18 @@ def split_columns(head_dim: int) -> tuple[int, int]:
     return width, head_dim - width
 
 
+@dataclasses.dataclass
+class SeesawOperands:
+    """One seesaw warpgroup's operand fragments and partitions (built once per CTA)."""
+    tSrQ: cute.Tensor  # QK A: Q from SMEM
+    tSrK: cute.Tensor  # QK B: the whole K tile of each slot
+    tOrV: cute.Tensor  # PV B (SS MMA): this warpgroup's V columns of each slot
+    tOrV_own: cute.Tensor  # PV B (RS MMA): the same columns
+    tOrP_smem: cute.Tensor  # PV A (SS MMA): sP buffer w = warpgroup w's P
+    tPsP: cute.Tensor  # this thread's P values in sP (acc layout, buffers)
+    tScS: cute.Tensor  # (row, key) of this thread's S values
+
+
 def smem_buffer(dtype, elems: int, used: bool):
     """A shared-storage field: 1 KiB-aligned ``elems`` values, or 16 bytes where this
     configuration does not use the buffer."""
@@ -144,13 +186,16 @@ class FlashAttentionD1Sm90:
         self.head_dim = head_dim
         self.kv_shared = bool(kv_shared)
         self.split = head_dim >= SPLIT_FROM
+        # K = V at split head dims: the seesaw schedule (each warpgroup a whole S tile of alternate
+        # KV tiles); K != V keeps the lock-step split (one K and one V slot is all that fits)
+        self.seesaw = self.split and self.kv_shared
         if self.split:
             if p_in_smem is False:
                 raise ValueError(f"head_dim {head_dim}: two warpgroups share P, so P must go through SMEM")
             self.p_in_smem = True
             self.tile_m, self.tile_n = SPLIT_TILE
             self.num_wg = 2
-            self.wg_keys = self.tile_n // 2
+            self.wg_keys = self.tile_n if self.seesaw else self.tile_n // 2
             self.o_width, self.o_col1 = split_columns(head_dim)
             self.p_buffers = 2
         else:
@@ -184,6 +229,8 @@ class FlashAttentionD1Sm90:
         fit = (SMEM_LIMIT - self.smem_bytes_fixed()) // slot
         if self.kv_shared:
             slots = min(MAX_SLOTS, fit)
+            if self.seesaw:  # slot parity = the warpgroup whose S tile it holds (the halves' counts)
+                slots -= slots % 2
             need = 2
         else:
             slots = min(2, fit // 2)
@@ -221,6 +268,7 @@ class FlashAttentionD1Sm90:
 
         d = self.head_dim
         qk_mma, pv_mma = self.make_mmas()
+        pv_own_mma = self.make_pv_own_mma() if self.seesaw else pv_mma
         sQ_layout = make_tile_smem_layout(self.dtype, self.tile_m, d, 1)
         sKV_layout = make_tile_smem_layout(self.dtype, self.tile_n, d, self.slots)
         sVt_layout = make_tile_smem_layout_mn(self.dtype, self.tile_n, d, self.slots)
@@ -247,7 +295,7 @@ class FlashAttentionD1Sm90:
         # K = V: KvChunkRing's full (slot x chunk) and empty (slot) barriers; else the K and
         # V pipelines' full + empty barriers
         if cutlass.const_expr(self.kv_shared):
-            bars_a, bars_b = KvChunkRing.barrier_count(self.slots, d // CHUNK_COLS)
+            bars_a, bars_b = KvChunkRing.barrier_count(self.slots, d // CHUNK_COLS, halves=self.seesaw)
         else:
             bars_a, bars_b = 2 * self.slots, 2 * self.slots
         sV_t = smem_buffer(self.dtype, cute.cosize(sKV_layout), not self.kv_shared)
@@ -258,6 +306,8 @@ class FlashAttentionD1Sm90:
         @cute.struct
         class SharedStorage:
             q_bar: cutlass.Int64
+            # seesaw: the leader's max, the follower's max and P, the leader's P (Handoff)
+            handoffs: cute.struct.MemRange[cutlass.Int64, 3]
             k_bars: cute.struct.MemRange[cutlass.Int64, bars_a]
             v_bars: cute.struct.MemRange[cutlass.Int64, bars_b]
             # split: [warpgroup, row] row max, then row sum, of the 64 shared rows
@@ -277,7 +327,7 @@ class FlashAttentionD1Sm90:
             grid = (cute.ceil_div(max_seqlen_q * self.pack_group, self.tile_m), mQ.shape[2],
                     mCuSeqlensQ.shape[0] - 1)
         self.kernel(
-            qk_mma, pv_mma,
+            qk_mma, pv_mma, pv_own_mma,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mO,
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
@@ -345,6 +395,7 @@ class FlashAttentionD1Sm90:
         self,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
+        pv_own_mma: cute.TiledMma,  # seesaw: PV over the warpgroup's own P in registers (else pv_mma)
         tma_atom_q: cute.CopyAtom,
         mQ: cute.Tensor,
         tma_atom_k: cute.CopyAtom,
@@ -395,9 +446,13 @@ class FlashAttentionD1Sm90:
 
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
             q_bar = storage.q_bar.ptr
+            handoffs = [Handoff(storage.handoffs.data_ptr() + i) for i in range(3)]
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(q_bar, 1)
+                    if cutlass.const_expr(self.seesaw):
+                        for h in handoffs:
+                            h.init()
             tile_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
             producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
@@ -405,7 +460,9 @@ class FlashAttentionD1Sm90:
                 chunks = self.head_dim // CHUNK_COLS
                 pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
                                          tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals,
-                                         lanes_read_slot=self.has_topk)
+                                         lanes_read_slot=self.has_topk,
+                                         halves=self.seesaw_halves() if self.seesaw else None,
+                                         r_chunk=self.o_col1 // CHUNK_COLS)
                 pipeline_v = None
                 self.init_ring(pipeline_k, warp_idx)
             else:
@@ -458,11 +515,18 @@ class FlashAttentionD1Sm90:
                     )
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                self.consume(
-                    qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
-                    sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE, scale_log2,
-                    m_block, head, b, n_rows, span, mSink,
-                )
+                if cutlass.const_expr(self.seesaw):
+                    self.consume_seesaw(
+                        qk_mma, pv_mma, pv_own_mma, q_bar, pipeline_k, handoffs, n_blocks,
+                        sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE, scale_log2,
+                        m_block, head, b, n_rows, span, mSink,
+                    )
+                else:
+                    self.consume(
+                        qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
+                        sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE, scale_log2,
+                        m_block, head, b, n_rows, span, mSink,
+                    )
 
     @cute.jit
     def init_ring(self, ring: KvChunkRing, warp_idx: cutlass.Int32):
@@ -665,6 +729,215 @@ class FlashAttentionD1Sm90:
             store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
 
     # -------------------------------------------------------------------------------
+    # Consumers, seesaw (K = V, head dims >= 320): warpgroup 0 leads, 1 follows
+    # -------------------------------------------------------------------------------
+
+    @cute.jit
+    def consume_seesaw(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        pv_own_mma: cute.TiledMma,
+        q_bar: cute.Pointer,
+        ring: KvChunkRing,
+        handoffs: list,  # [leader's max, follower's max and P, leader's P]
+        n_blocks: cutlass.Int32,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        sP: cute.Tensor,
+        row_stats: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        gO: cute.Tensor,
+        gO_mem: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        m_block: cutlass.Int32,
+        head: cutlass.Int32,
+        batch: cutlass.Int32,
+        seqlen_q: cutlass.Int32,
+        span: KvSpan,
+        mSink: cute.Tensor | None,
+    ):
+        """Pairs of KV tiles (a, b) = visits (2k, 2k + 1): the leader computes S_a, the follower
+        S_b, each over the whole head dim, and each adds both tiles' P V to its O columns. See
+        ``seesaw_lead`` / ``seesaw_follow`` for one pair; an odd tile count ends with a pair
+        that has no b."""
+        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        sub = tidx % THREADS_PER_WARPGROUP
+        thr_qk = qk_mma.get_slice(sub)
+        thr_pv = pv_mma.get_slice(sub)
+        wg_qk, wg_pv, wg_own = qk_mma.get_slice(0), pv_mma.get_slice(0), pv_own_mma.get_slice(0)
+        sVt_w = self.v_columns(sVt, wg)
+        ops = SeesawOperands(
+            tSrQ=qk_mma.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0],  # (MMA, 1, d/16)
+            tSrK=qk_mma.make_fragment_B(wg_qk.partition_B(sK)),  # the whole tile: (MMA, 1, d/16, slots)
+            tOrV=pv_mma.make_fragment_B(wg_pv.partition_B(sVt_w)),  # this warpgroup's V columns
+            tOrV_own=pv_own_mma.make_fragment_B(wg_own.partition_B(sVt_w)),
+            tOrP_smem=pv_mma.make_fragment_A(wg_pv.partition_A(sP)),  # (MMA, 1, keys/16, 2 buffers)
+            tPsP=self.p_store_view(sP, wg, thr_qk),
+            tScS=self.s_coords(wg, thr_qk),
+        )
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
+        r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # own P, 16-bit: the RS wgmma's A
+        softmax = OnlineSoftmax(acc_s.layout, scale_log2, may_be_empty=self.may_hide_rows())
+        softmax.reset()
+        acc_o.fill(0.0)
+        stat_rows = acc_rows_view(ops.tScS)
+        mmas = (qk_mma, pv_mma, pv_own_mma)
+        first_row = m_block * self.tile_m
+
+        cute.arch.mbarrier_wait(q_bar, 0)
+        n_pairs = n_blocks // 2
+        if wg == 0:
+            for k in cutlass.range(n_pairs, unroll=1):
+                self.seesaw_lead(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
+                                 span, n_blocks, first_row)
+            if n_blocks % 2 == 1:
+                self.seesaw_lead(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
+                                 row_stats, span, n_blocks, first_row)
+            warpgroup.wait_group(0)  # the last PV over the follower's P (sQ is overwritten next)
+        else:
+            for k in cutlass.range(n_pairs, unroll=1):
+                self.seesaw_follow(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
+                                   span, n_blocks, first_row)
+            if n_blocks % 2 == 1:
+                self.seesaw_follow(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
+                                   row_stats, span, n_blocks, first_row)
+
+        # ---- epilogue: both hold O at the same max; row sums meet through SMEM -------------
+        total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
+        inv_sum = softmax.finalize(total)
+        self.row_scale(inv_sum, softmax.lse, mSink, ops.tScS, m_block, head)
+        scale_rows(acc_o, inv_sum)
+        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, seqlen_q - first_row)
+        if wg == 0:
+            store_lse(mLSE, softmax.lse, ops.tScS, first_row, head, batch, seqlen_q)
+
+    @cute.jit
+    def seesaw_lead(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
+                    softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
+        """Warpgroup 0, pair k (tile a = visit 2k, tile b = visit 2k + 1, when ``has_b``):
+
+            S_a = Q K_a^T; [PV_bL of pair k - 1 done: release b's slot]; mask
+            m_a = max(m, rowmax S_a) -> SMEM, hand over (handoff 0)      (the follower needs it)
+            P_a = exp2(S_a - m_a); l = l r_a + sum P_a; O_L = O_L r_a + P_a V_a[:, L]   (RS)
+            wait for handoff 1; m_b from SMEM; r_b = exp2(m_a - m_b); l *= r_b
+            P_a r_b -> sP[0], hand over (handoff 2)                  (the follower's PV_aR)
+            [PV_aL done: release a's slot]; O_L *= r_b; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
+
+        so that after the pair O_L, l and m are all at m_b, the follower's max."""
+        qk_mma, pv_mma, pv_own_mma = mmas
+        t = 2 * k
+        overlap = self.o_col1 < self.o_width
+        ring.gemm_qk(t, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, t % self.slots])
+        if k > 0:  # pair k - 1's PV over P_b (issued before this QK) is done: b's slot is free to us
+            warpgroup.wait_group(1)
+            self.seesaw_release_b(ring, t - 1)
+        warpgroup.wait_group(0)
+        if cutlass.const_expr(not overlap):  # only this QK read the second half of tile a
+            ring.release(t, 1)
+        if t == 0:
+            self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=True)
+        else:
+            self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=False)
+        tile_max = softmax.tile_max(acc_s)
+        self.publish_max(softmax.new_max(tile_max), stat_rows, row_stats, 0)
+        handoffs[0].arrive()
+        row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max)
+        convert_p_packed(acc_s, r_p)
+        scale_rows(acc_o, row_scale)
+        gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t % self.slots], zero_init=False)
+        # the follower's max (in the last pair without b: the leader's own, r_b = 1)
+        handoffs[1].wait(k)
+        row_scale = softmax.follow(self.read_max(stat_rows, row_stats, 1))
+        scale_rows(acc_s, row_scale)
+        r_q = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # r_p is still the in-flight wgmma's A
+        store_p(acc_s, r_q, ops.tPsP[None, None, None, self.own_p_buffer(0)])
+        handoffs[2].arrive()
+        warpgroup.wait_group(0)  # PV_aL done
+        ring.release(t, 0)
+        if cutlass.const_expr(overlap):
+            ring.release(t, 1)
+        scale_rows(acc_o, row_scale)
+        if cutlass.const_expr(has_b):
+            ring.wait_full(t + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them
+            gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(1)],
+                 ops.tOrV[None, None, None, (t + 1) % self.slots], zero_init=False)
+
+    @cute.jit
+    def seesaw_follow(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
+                      softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
+        """Warpgroup 1, pair k:
+
+            S_b = Q K_b^T; mask; [release b's first half]; tile max    (while the leader works on a)
+            wait for handoff 0; m_a from SMEM
+            m_b = max(m_a, rowmax S_b); P_b = exp2(S_b - m_b); r = exp2(m - m_b); l = l r + sum P_b
+            m_b -> SMEM, P_b -> sP[1], hand over (handoff 1)
+            O_R = O_R r + P_b V_b[:, R]                  (RS)
+            wait for handoff 2; O_R += (P_a r_b) V_a[:, R]   (SS, from sP[0])
+            wait both PVs, release their halves
+
+        Without b (the last pair of an odd count) the follower only adopts m_a (r = exp2(m - m_a))
+        and adds P_a V_a[:, R]."""
+        qk_mma, pv_mma, pv_own_mma = mmas
+        t_a = 2 * k
+        t_b = t_a + 1
+        tile_max = None
+        if cutlass.const_expr(has_b):
+            ring.gemm_qk(t_b, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, t_b % self.slots])
+            warpgroup.wait_group(0)
+            self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t_b, first_row, first=False)
+            ring.release(t_b, 0)  # after the mask: a top-k slot's staged list is read there
+            tile_max = softmax.tile_max(acc_s)
+        handoffs[0].wait(k)
+        m_lead = self.read_max(stat_rows, row_stats, 0)
+        if cutlass.const_expr(has_b):
+            row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max, floor=m_lead)
+        else:
+            row_scale = softmax.follow(m_lead)
+        self.publish_max(softmax.row_max, stat_rows, row_stats, 1)
+        if cutlass.const_expr(has_b):
+            store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(1)])  # r_p: also its RS operand
+        handoffs[1].arrive()
+        scale_rows(acc_o, row_scale)
+        if cutlass.const_expr(has_b):
+            gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t_b % self.slots],
+                 zero_init=False)
+        handoffs[2].wait(k)
+        ring.wait_full(t_a, self.o_col1 // CHUNK_COLS, self.head_dim // CHUNK_COLS)  # the leader's QK waited
+        gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(0)],
+             ops.tOrV[None, None, None, t_a % self.slots], zero_init=False)
+        if cutlass.const_expr(has_b):
+            warpgroup.wait_group(1)
+            ring.release(t_b, 1)
+        warpgroup.wait_group(0)
+        ring.release(t_a, 1)
+
+    @cute.jit
+    def seesaw_release_b(self, ring: KvChunkRing, t_b):
+        """The leader's PV over tile b (its first half, and the overlap of the second) is done."""
+        ring.release(t_b, 0)
+        if cutlass.const_expr(self.o_col1 < self.o_width):
+            ring.release(t_b, 1)
+
+    @cute.jit
+    def publish_max(self, m, stat_rows, row_stats, wg: int):
+        """Row maxima m (exp2 domain) of this thread's rows -> SMEM slot wg (one lane per quad)."""
+        if stat_rows[0, 0][1] == 0:
+            for i in cutlass.range_constexpr(cute.size(m)):
+                row_stats[stat_rows[i, 0][0], wg, 0] = m[i]
+
+    @cute.jit
+    def read_max(self, stat_rows, row_stats, wg: int) -> cute.Tensor:
+        out = cute.make_rmem_tensor(cute.size(stat_rows, mode=[0]), cutlass.Float32)
+        for i in cutlass.range_constexpr(cute.size(out)):
+            out[i] = row_stats[stat_rows[i, 0][0], wg, 0]
+        return out
+
+    # -------------------------------------------------------------------------------
     # Pieces of the consumer loop
     # -------------------------------------------------------------------------------
 
@@ -672,12 +945,26 @@ class FlashAttentionD1Sm90:
         """(QK, PV) tiled MMAs: one warpgroup's (split) or all warpgroups stacked along M.
         PV's A is sP (SS wgmma) or the P registers (RS wgmma, stage C)."""
         warpgroups = 1 if self.split else self.num_wg
-        qk_mma = make_tiled_mma(self.dtype, self.wg_keys, warpgroups=warpgroups)
+        qk_mma = make_tiled_mma(self.dtype, self.wg_keys, warpgroups=warpgroups)  # seesaw: 64 x 64 per warpgroup
         if self.p_in_smem:
             pv_mma = make_tiled_mma(self.dtype, self.o_width, b_major=OperandMajorMode.MN, warpgroups=warpgroups)
         else:
             pv_mma = make_pv_tiled_mma(self.dtype, self.head_dim, warpgroups=warpgroups)
         return qk_mma, pv_mma
+
+    def make_pv_own_mma(self) -> cute.TiledMma:
+        """seesaw: the PV MMA over a warpgroup's own P, from its registers (RS wgmma, stage C's
+        trick: the QK accumulator's registers are the A fragment), 64 x width x 16."""
+        return make_pv_tiled_mma(self.dtype, self.o_width, warpgroups=1)
+
+    def seesaw_halves(self):
+        """seesaw: the warps that read each half of a tile in an even (leader's S) and an odd
+        (follower's S) ring slot: half 0 = chunks [0, c_1 / 64), only warpgroup 0's PV reads
+        them; half 1 = the rest, warpgroup 1's PV columns (and warpgroup 0's where the halves
+        overlap, at 320 and 448). The warpgroup that computes a tile's S reads both halves."""
+        overlap = self.o_col1 < self.o_width
+        wg = THREADS_PER_WARPGROUP // 32
+        return ((wg, 2 * wg), (2 * wg, 2 * wg if overlap else wg))
 
     def p_smem_layout(self) -> cute.ComposedLayout:
         """sP (tile_m, tile_n, p_buffers) (common/smem_p.py); a 64-key placeholder view
@@ -691,9 +978,9 @@ class FlashAttentionD1Sm90:
         """This thread's P values in sP, (acc_s's layout, buffers): the QK accumulator
         partition of the warpgroup's (64 rows, its 32 keys) block (split) or of the whole
         (tile_m, tile_n) tile (rows; the partition picks the warpgroup's rows)."""
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.split and not self.seesaw):
             return thr_qk.partition_C(cute.local_tile(sP, (WGMMA_M, self.wg_keys), (0, wg, None)))
-        else:
+        else:  # rows: the partition picks the rows; seesaw: warpgroup w writes buffer w (whole tile)
             return thr_qk.partition_C(sP)
 
     def qk_rows(self) -> int:
@@ -737,7 +1024,7 @@ class FlashAttentionD1Sm90:
         """(row, key) within the (tile_m, tile_n) tile of every S value of this thread: its QK
         partition of the whole tile (rows) or of its warpgroup's keys [32 w, 32 w + 32) (split)."""
         keys = cute.make_identity_tensor((self.qk_rows() if self.split else self.tile_m, self.tile_n))
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.split and not self.seesaw):
             keys = cute.local_tile(keys, (WGMMA_M, self.wg_keys), (0, wg))
         return thr_qk.partition_C(keys)
 
@@ -754,14 +1041,22 @@ class FlashAttentionD1Sm90:
 
     @cute.jit
     def split_operand_views(self, sK: cute.Tensor, sVt: cute.Tensor, wg):
-        """split: warpgroup w's QK B operand, keys [32 w, 32 w + 32) of each K slot
-        (keys, d, slots), and its PV B operand, V's columns [c_w, c_w + width) of each slot
-        (width, keys, slots)."""
+        """split (lock step): warpgroup w's QK B operand, keys [32 w, 32 w + 32) of each K slot
+        (keys, d, slots), and its PV B operand (``v_columns``)."""
         sK_w = cute.local_tile(sK, (self.wg_keys, self.head_dim), (wg, 0, None))
-        sVt_w = cute.local_tile(
+        return sK_w, self.v_columns(sVt, wg)
+
+    @cute.jit
+    def v_columns(self, sVt: cute.Tensor, wg):
+        """split and seesaw: warpgroup w's PV B operand, V's columns [c_w, c_w + width) of each
+        slot (width, keys, slots)."""
+        return cute.local_tile(
             cute.domain_offset((wg * self.o_col1, 0, 0), sVt), (self.o_width, self.tile_n), (0, 0, None)
         )
-        return sK_w, sVt_w
+
+    def own_p_buffer(self, wg: int) -> int:
+        """seesaw: the sP buffer warpgroup wg stores its P into (the other warpgroup's SS PV reads it)."""
+        return wg
 
     @cute.jit
     def tile_max(self, softmax, acc_s, stat_rows, row_stats, wg):
@@ -779,11 +1074,15 @@ class FlashAttentionD1Sm90:
         else:
             return None
 
+    def first_key(self, wg):
+        """The first key of warpgroup wg's S block (a quad's first lane holds it)."""
+        return 0 if self.seesaw else wg * self.wg_keys
+
     @cute.jit
     def exchange_sums(self, softmax, stat_rows, row_stats, wg):
         """split: the full row sums, this half's plus the other's, through SMEM."""
         own = softmax.row_sums()
-        if stat_rows[0, 0][1] == wg * self.wg_keys:
+        if stat_rows[0, 0][1] == self.first_key(wg):
             for i in cutlass.range_constexpr(cute.size(own)):
                 row_stats[stat_rows[i, 0][0], wg, 1] = own[i]
         cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)

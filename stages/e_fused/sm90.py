@@ -130,7 +130,6 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         A position that is not a visible entry (-1, past the list, not yet visible) copies row 0:
         its score is masked, and a finite V row times P = 0 adds exactly 0."""
         s = t % self.slots
-        phase = (t // self.slots) & 1
         tidx = cute.arch.thread_idx()[0]  # 0 .. 127: the producer warpgroup
         unit = tidx % UNITS
         passes = self.tile_n * UNITS // THREADS_PER_WARPGROUP
@@ -138,7 +137,7 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         src_rows = cute.make_rmem_tensor(passes, cutlass.Int32)
         for p in cutlass.range_constexpr(passes):
             src_rows[p] = self.gather_source_row(span, n, self.gather_row(tidx, p))
-        cute.arch.mbarrier_wait(ring.empty + s, phase ^ 1)
+        ring.wait_empty(t, 0)  # the slot (the seesaw's: its first half, which also guards the lists)
         if tidx < self.tile_n:  # the tile's list entries, for the consumers' masks (TopkSpan.tile_list)
             word = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
                                        num_bits_per_copy=32)
@@ -150,6 +149,8 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         s_base = ring_base.toint()
         row_stride = mC_hb.stride[0]
         for c in cutlass.range_constexpr(self.head_dim // CHUNK_COLS):
+            if cutlass.const_expr(c > 0):
+                ring.wait_empty(t, c)  # the seesaw ring's second half, before its first chunk
             for p in cutlass.range_constexpr(passes):
                 r = self.gather_row(tidx, p)
                 g_off = (cutlass.Int64(src_rows[p]) * row_stride + c * CHUNK_COLS + unit * 8) * elem
