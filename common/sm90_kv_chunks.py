@@ -101,6 +101,12 @@ class KvChunkRing:
             cute.arch.mbarrier_wait(self.empty_bar(s, 1), phase ^ 1)
 
     @cute.jit
+    def wait_half(self, t: cutlass.Int32, h: int):
+        """Producer: wait until half h of tile use t's slot is free (the previous use released it)."""
+        phase = (t // self.slots) & 1
+        cute.arch.mbarrier_wait(self.empty_bar(t % self.slots, h), phase ^ 1)
+
+    @cute.jit
     def wait_full(self, t: cutlass.Int32, first_chunk: int, end_chunk: int):
         """Consumer: wait until chunks [first_chunk, end_chunk) of tile use t have landed (a
         warpgroup that reads a tile another warpgroup's QK already waited for)."""
@@ -118,15 +124,25 @@ class KvChunkRing:
             for h in cutlass.range_constexpr(self.empty_halves()):
                 cute.arch.mbarrier_init(self.empty_bar(s, h), self.empty_count(s, h))
 
+    def half_chunks(self, h: int) -> range:
+        """The chunks of half h (with halves; h = 0 is the whole tile without)."""
+        if self.halves is None:
+            return range(self.chunks)
+        return range(self.r_chunk) if h == 0 else range(self.r_chunk, self.chunks)
+
     @cute.jit
     def load(self, t: cutlass.Int32, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor,
-             n_block: cutlass.Int32):
-        """Producer (one warp): tile use t <- KV tile n_block. ``src`` (atom, tiles, chunks) and
-        ``dst`` (atom, 1, chunks, slots) are the TMA partitions of the chunked global and
-        SMEM views."""
+             n_block: cutlass.Int32, half: int | None = None):
+        """Producer (one warp): tile use t <- KV tile n_block (with halves: only half ``half``
+        when given, after waiting for it). ``src`` (atom, tiles, chunks) and ``dst`` (atom, 1,
+        chunks, slots) are the TMA partitions of the chunked global and SMEM views."""
         s = t % self.slots
-        for c in cutlass.range_constexpr(self.chunks):
-            self.wait_empty(t, c)
+        chunks = range(self.chunks) if half is None else self.half_chunks(half)
+        for c in cutlass.range_constexpr(chunks.start, chunks.stop):
+            if cutlass.const_expr(half is None):
+                self.wait_empty(t, c)
+            elif cutlass.const_expr(c == chunks.start):
+                self.wait_half(t, half)
             bar = self.full + (s * self.chunks + c)
             with cute.arch.elect_one():
                 if cutlass.const_expr(self.full_arrivals == 1):
@@ -150,9 +166,11 @@ class KvChunkRing:
 
     @cute.jit
     def gemm_qk(self, t: cutlass.Int32, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-                tCrB: cute.Tensor):
+                tCrB: cute.Tensor, first_chunk: int = 0):
         """Issue acc = A B as one wgmma group over tile use t's slot (``tCrB`` already indexed
-        by slot), waiting for chunk c's barrier before the k-steps that read it."""
+        by slot), waiting for chunk c's barrier before the k-steps that read it. The k-steps run
+        from chunk ``first_chunk`` on, wrapping around (the seesaw's follower starts on the half
+        its producer loads first)."""
         s = t % self.slots
         phase = (t // self.slots) & 1
         k_steps = cute.size(tCrA, mode=[2])
@@ -160,7 +178,8 @@ class KvChunkRing:
         warpgroup.fence()
         atom = cute.make_mma_atom(tiled_mma.op)
         atom.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(k_steps):
+        for i in cutlass.range_constexpr(k_steps):
+            k = (i + first_chunk * per_chunk) % k_steps
             if cutlass.const_expr(k % per_chunk == 0):
                 cute.arch.mbarrier_wait(self.full + (s * self.chunks + k // per_chunk), phase)
             cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)

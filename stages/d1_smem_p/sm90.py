@@ -576,11 +576,15 @@ class FlashAttentionD1Sm90:
             if cutlass.const_expr(self.has_compressed):
                 _, tCgC = chunk_views(tma_atom_c, mC_hb, sK, self.tile_n)
             gather = (ring_base, mC_mem_hb, warp_idx)
-            self.load_kv(ring, 0, n_last, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
-            if warp_idx == 0:
-                load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
-            for i in cutlass.range(n_last, unroll=1):
-                self.load_kv(ring, i + 1, n_last - 1 - i, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
+            srcs = (span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
+            if cutlass.const_expr(self.seesaw):
+                self.load_pairs(ring, n_blocks, srcs, (q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes), warp_idx)
+            else:
+                self.load_kv(ring, 0, n_last, *srcs)
+                if warp_idx == 0:
+                    load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
+                for i in cutlass.range(n_last, unroll=1):
+                    self.load_kv(ring, i + 1, n_last - 1 - i, *srcs)
         else:  # stage C's order (common/sm90_producer.py)
             tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
             tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
@@ -588,11 +592,38 @@ class FlashAttentionD1Sm90:
                        tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
 
     @cute.jit
-    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather):
-        """K = V: ring use t <- KV tile n of the span. The seam of the fused stage, whose tiles
-        n < n_cmp come from the compressed entries (``tCgC``, or rows gathered by ``gather``:
-        (ring_base, the compressed (entries, d) view, warp)); here every tile is K's."""
-        ring.load(t, tma_atom_k, tKgK, tKsK, n)
+    def load_pairs(self, ring: KvChunkRing, n_blocks, srcs, q_load, warp_idx):
+        """seesaw: the tiles of pair k (a = visit 2k, the leader's; b = 2k + 1, the follower's)
+        half by half in the order their halves are freed, FlashMLA's order: a's first half (the
+        leader's PV over a frees it first), b's second (the follower's own PV), a's second (the
+        follower's PV over a), b's first (the leader's PV over b, last). The follower's QK starts on
+        b's second half (``first_chunk``), so both warpgroups start on the first half-load of
+        their tile. Q goes right after the first one."""
+        n_last = n_blocks - 1
+        for k in cutlass.range(n_blocks // 2, unroll=1):
+            t_a = 2 * k
+            self.load_kv(ring, t_a, n_last - t_a, *srcs, half=0)
+            if k == 0:
+                if warp_idx == 0:
+                    load_q(*q_load)
+            self.load_kv(ring, t_a + 1, n_last - t_a - 1, *srcs, half=1)
+            self.load_kv(ring, t_a, n_last - t_a, *srcs, half=1)
+            self.load_kv(ring, t_a + 1, n_last - t_a - 1, *srcs, half=0)
+        if n_blocks % 2 == 1:  # the last pair has no b
+            self.load_kv(ring, n_last, 0, *srcs, half=0)
+            if n_blocks == 1:
+                if warp_idx == 0:
+                    load_q(*q_load)
+            self.load_kv(ring, n_last, 0, *srcs, half=1)
+
+    @cute.jit
+    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather,
+                half=None):
+        """K = V: ring use t <- KV tile n of the span (the seesaw: only its half ``half``). The seam
+        of the fused stage, whose tiles n < n_cmp come from the compressed entries (``tCgC``, or
+        rows gathered by ``gather``: (ring_base, the compressed (entries, d) view, warp)); here
+        every tile is K's."""
+        ring.load(t, tma_atom_k, tKgK, tKsK, n, half)
 
     # -------------------------------------------------------------------------------
     # Consumers: warpgroups 1..W
@@ -887,7 +918,8 @@ class FlashAttentionD1Sm90:
         t_b = t_a + 1
         tile_max = None
         if cutlass.const_expr(has_b):
-            ring.gemm_qk(t_b, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, t_b % self.slots])
+            ring.gemm_qk(t_b, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, t_b % self.slots],
+                         first_chunk=self.o_col1 // CHUNK_COLS)  # the half its producer loads first
             warpgroup.wait_group(0)
             self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t_b, first_row, first=False)
             ring.release(t_b, 0)  # after the mask: a top-k slot's staged list is read there

@@ -78,20 +78,20 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         return super().masks_inner_tiles() or self.has_compressed
 
     @cute.jit
-    def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather):
+    def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather, half=None):
         if cutlass.const_expr(self.has_topk):  # all four producer warps run this
             ring_base, mC_hb, warp_idx = gather
             if n < span.n_cmp:
-                self.gather_tile(ring, t, n, span, ring_base, mC_hb)
+                self.gather_tile(ring, t, n, span, ring_base, mC_hb, half)
             elif warp_idx == 0:
-                ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp)
+                ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
         elif cutlass.const_expr(self.has_compressed):
             if n < span.n_cmp:
-                ring.load(t, tma_atom_c, tCgC, tKsK, n)
+                ring.load(t, tma_atom_c, tCgC, tKsK, n, half)
             else:
-                ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp)
+                ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
         else:
-            ring.load(t, tma_atom_k, tKgK, tKsK, n)
+            ring.load(t, tma_atom_k, tKgK, tKsK, n, half)
 
     @staticmethod
     def gather_row(tidx, p: int):
@@ -118,12 +118,14 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         return src, dst
 
     @cute.jit
-    def gather_tile(self, ring, t, n, span, ring_base: cute.Pointer, mC_hb: cute.Tensor):
+    def gather_tile(self, ring, t, n, span, ring_base: cute.Pointer, mC_hb: cute.Tensor, half=None):
         """Top-k: ring use t <- the compressed rows at list positions [n T, n T + T) of the Q
         tile's token, by cp.async (Hopper's TMA has no gather). Producer thread i copies 16-byte
         unit i % 8 of rows i / 8 + 16 p of every 64-column chunk, to ``gather_offset`` (the
         swizzled slot layout, proven on the host), then arrives on the chunk's full barrier when its
         copies have landed (cp.async.mbarrier.arrive.noinc: the barrier counts all 128 threads).
+        The seesaw's producer gathers one half of the tile at a time (``half``: its chunks, after
+        waiting for that half; the list goes with half 0, which guards it).
         Threads 0 .. T-1 also copy the tile's T list entries to the slot's column of the span's SMEM
         lists before chunk 0's arrival, so chunk 0's barrier covers them: the consumers' masks read
         them there. The slot is free again only after the PV GEMM that follows the mask.
@@ -137,20 +139,25 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         src_rows = cute.make_rmem_tensor(passes, cutlass.Int32)
         for p in cutlass.range_constexpr(passes):
             src_rows[p] = self.gather_source_row(span, n, self.gather_row(tidx, p))
-        ring.wait_empty(t, 0)  # the slot (the seesaw's: its first half, which also guards the lists)
-        if tidx < self.tile_n:  # the tile's list entries, for the consumers' masks (TopkSpan.tile_list)
-            word = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
-                                       num_bits_per_copy=32)
-            cute.copy(word, *self.list_copy_views(span, n, tidx))
+        if cutlass.const_expr(half is None):
+            ring.wait_empty(t, 0)  # the slot
+        else:
+            ring.wait_half(t, half)
+        if cutlass.const_expr(half is None or half == 0):
+            if tidx < self.tile_n:  # the tile's list entries, for the consumers' masks (TopkSpan.tile_list)
+                word = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
+                                           num_bits_per_copy=32)
+                cute.copy(word, *self.list_copy_views(span, n, tidx))
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                    num_bits_per_copy=GATHER_BYTES * 8)
         elem = self.dtype.width // 8
         g_base = mC_hb.iterator.toint()
         s_base = ring_base.toint()
         row_stride = mC_hb.stride[0]
-        for c in cutlass.range_constexpr(self.head_dim // CHUNK_COLS):
-            if cutlass.const_expr(c > 0):
-                ring.wait_empty(t, c)  # the seesaw ring's second half, before its first chunk
+        chunks = range(self.head_dim // CHUNK_COLS) if half is None else ring.half_chunks(half)
+        for c in cutlass.range_constexpr(chunks.start, chunks.stop):
+            if cutlass.const_expr(half is None and c > 0):
+                ring.wait_empty(t, c)  # a halved ring's second half, before its first chunk
             for p in cutlass.range_constexpr(passes):
                 r = self.gather_row(tidx, p)
                 g_off = (cutlass.Int64(src_rows[p]) * row_stride + c * CHUNK_COLS + unit * 8) * elem
