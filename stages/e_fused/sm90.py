@@ -48,9 +48,10 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             self.producer_warps = THREADS_PER_WARPGROUP // 32
             self.full_arrivals = THREADS_PER_WARPGROUP
             # the gather's addresses need more than the TMA producer's 24-32 registers (ptxas spilled
-            # at 128-key tiles); 8 fewer per consumer thread pay for it (setmaxnreg: 64K per CTA)
-            self.consumer_regs -= 8
-            self.producer_regs += 8 * self.num_wg
+            # at 128-key tiles, and with the seesaw's four half-tile gathers a pair at 40); 16 fewer
+            # per consumer thread pay for it (setmaxnreg: 64K per CTA)
+            self.consumer_regs -= 16
+            self.producer_regs += 16 * self.num_wg
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk,
                 kv_start=0, positions=None):
