@@ -81,6 +81,35 @@ def test_outlier_forces_late_rescale(arch, head_dim, key, record_errors):
     check_attention(stage.forward, q, k, k, record_errors, g, arch=arch, case=f"outlier at key {key}")
 
 
+# (seqlen_k, outlier key): tiles are visited last-first, visit 2k by the seesaw's leader, 2k + 1 by
+# its follower, and an odd count ends with a pair that has no follower tile
+SEESAW_CASES = {
+    "3_tiles_follower": (129, 100),  # tile 1: the follower's tile of pair 0
+    "3_tiles_tail": (129, 5),  # tile 0: the leader's tile of the pair without b
+    "5_tiles_follower": (313, 200),  # tile 3: the follower's tile of pair 0
+    "5_tiles_leader": (313, 150),  # tile 2: the leader's tile of pair 1
+    "5_tiles_tail": (313, 10),  # tile 0: the pair without b
+}
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", WIDE)
+@pytest.mark.parametrize("case", list(SEESAW_CASES))
+def test_seesaw_pairs_and_tail(arch, head_dim, case, record_errors):
+    """K = V at head dims >= 320 runs the seesaw (stages/d1_smem_p/sm90.py). One key scores ~+20
+    (scaled) for every query in the tile the case names: in a follower's tile the follower's max
+    exceeds the leader's, so the leader's P and O must be rescaled by r_b = exp2(m_a - m_b) before
+    the follower reads P_a; in the leader's tile the follower must take the leader's max as its
+    floor; in the tail the follower only adopts the leader's max. Odd tile counts (3, 5) and
+    several Q tiles (130 rows)."""
+    seqlen_k, key = SEESAW_CASES[case]
+    q, k, v, g = inputs(2, 130, seqlen_k, 2, 2, head_dim, torch.bfloat16, kv_shared=True)
+    u = torch.randn(head_dim, generator=g).sign().to(q.device)
+    q = (q.float() + 0.5 * u).to(q.dtype)
+    k[:, key] = (u * 40.0 / math.sqrt(head_dim)).to(k.dtype)
+    check_attention(stage.forward, q, k, k, record_errors, g, arch=arch, case=f"seesaw {case}")
+
+
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", WIDE)
 def test_large_scores(arch, head_dim, record_errors):

@@ -745,19 +745,8 @@ class FlashAttentionD1Sm90:
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(state)
 
-        # ---- epilogue ------------------------------------------------------------------
-        total = None
-        if cutlass.const_expr(self.split):
-            total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
-        inv_sum = softmax.finalize(total)
-        self.row_scale(inv_sum, softmax.lse, mSink, tScS, m_block, head)
-        scale_rows(acc_o, inv_sum)
-        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, seqlen_q - m_block * self.tile_m)
-        if cutlass.const_expr(self.split):
-            if wg == 0:  # both halves hold the same rows' LSE; warpgroup 0's keys start at 0
-                store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
-        else:
-            store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
+        self.epilogue(acc_o, softmax, stat_rows, row_stats, tScS, sQ, thr_pv, tma_atom_o, gO, gO_mem, mLSE, mSink,
+                      m_block, head, batch, seqlen_q, wg, tidx)
 
     # -------------------------------------------------------------------------------
     # Consumers, seesaw (K = V, head dims >= 320): warpgroup 0 leads, 1 follows
@@ -838,14 +827,9 @@ class FlashAttentionD1Sm90:
                 self.seesaw_follow(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
                                    row_stats, span, n_blocks, first_row)
 
-        # ---- epilogue: both hold O at the same max; row sums meet through SMEM -------------
-        total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
-        inv_sum = softmax.finalize(total)
-        self.row_scale(inv_sum, softmax.lse, mSink, ops.tScS, m_block, head)
-        scale_rows(acc_o, inv_sum)
-        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, seqlen_q - first_row)
-        if wg == 0:
-            store_lse(mLSE, softmax.lse, ops.tScS, first_row, head, batch, seqlen_q)
+        # both warpgroups hold O at the same max; the row sums meet in the epilogue
+        self.epilogue(acc_o, softmax, stat_rows, row_stats, ops.tScS, sQ, thr_pv, tma_atom_o, gO, gO_mem, mLSE, mSink,
+                      m_block, head, batch, seqlen_q, wg, tidx)
 
     @cute.jit
     def seesaw_lead(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
@@ -899,8 +883,8 @@ class FlashAttentionD1Sm90:
                  ops.tOrV[None, None, None, (t + 1) % self.slots], zero_init=False)
 
     @cute.jit
-    def seesaw_follow(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
-                      softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
+    def seesaw_follow(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o,
+                      r_p, softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
         """Warpgroup 1, pair k:
 
             S_b = Q K_b^T; mask; [release b's first half]; tile max    (while the leader works on a)
@@ -972,6 +956,25 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
     # Pieces of the consumer loop
     # -------------------------------------------------------------------------------
+
+    @cute.jit
+    def epilogue(self, acc_o, softmax: OnlineSoftmax, stat_rows, row_stats, tScS, sQ, thr_pv, tma_atom_o, gO, gO_mem,
+                 mLSE, mSink, m_block, head, batch, seqlen_q, wg, tidx):
+        """[split, seesaw: the row sums of the two warpgroups added through SMEM]; O /= l (and the
+        sink's seam); O over sQ, one TMA store; LSE (split, seesaw: warpgroup 0's copy, both
+        hold the same rows)."""
+        total = None
+        if cutlass.const_expr(self.split):
+            total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
+        inv_sum = softmax.finalize(total)
+        self.row_scale(inv_sum, softmax.lse, mSink, tScS, m_block, head)
+        scale_rows(acc_o, inv_sum)
+        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, seqlen_q - m_block * self.tile_m)
+        if cutlass.const_expr(self.split):
+            if wg == 0:
+                store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
+        else:
+            store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
 
     def make_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
         """(QK, PV) tiled MMAs: one warpgroup's (split) or all warpgroups stacked along M.
