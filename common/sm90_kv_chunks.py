@@ -26,9 +26,9 @@ phase = (t // slots) & 1):
                  chunks [0, r_chunk) (and a top-k slot's staged list), h = 1 chunks
                  [r_chunk, chunks); each counts the warps that read that half of a tile in
                  slot s (``halves[s % 2][h]``: the seesaw's slot parity is the warpgroup that
-                 computes the tile's S). The producer waits for half 1 only before chunk
-                 r_chunk, so the next tile's first chunks land while the last PV that reads
-                 the second half still runs.
+                 computes the tile's S). Such a ring is loaded one half at a time, each load
+                 waiting for its own half, so the next tile's first chunks land while the
+                 last PV that reads the second half still runs.
 
 Chunk c of slot s is the (tile_n, 64) block at columns 64 c of the slot's (tile_n, d) tile
 in ``common.sm90_gemm.make_tile_smem_layout`` (the layout the QK and PV views read); the
@@ -90,21 +90,21 @@ class KvChunkRing:
     def empty_bar(self, s, h: int = 0):
         return self.empty + (s * self.empty_halves() + h)
 
-    @cute.jit
-    def wait_empty(self, t: cutlass.Int32, c: int):
-        """Producer: before chunk c of tile use t, wait for the half that guards it (once per half)."""
-        s = t % self.slots
-        phase = (t // self.slots) & 1
-        if cutlass.const_expr(c == 0):
-            cute.arch.mbarrier_wait(self.empty_bar(s, 0), phase ^ 1)
-        if cutlass.const_expr(self.halves is not None and c == self.r_chunk):
-            cute.arch.mbarrier_wait(self.empty_bar(s, 1), phase ^ 1)
+    def chunk_range(self, half: int | None = None) -> range:
+        """The chunks one load covers: the whole tile (``half`` None, a ring without halves), or
+        half h of a halved ring, which is loaded half by half (each half has its own empty)."""
+        if half is None:
+            if self.halves is not None:
+                raise ValueError("a ring with halves is loaded one half at a time")
+            return range(self.chunks)
+        return range(self.r_chunk) if half == 0 else range(self.r_chunk, self.chunks)
 
     @cute.jit
-    def wait_half(self, t: cutlass.Int32, h: int):
-        """Producer: wait until half h of tile use t's slot is free (the previous use released it)."""
+    def wait_load(self, t: cutlass.Int32, half: int | None = None):
+        """Producer, before a load of tile use t (the whole tile, or its half ``half``): wait until
+        the previous use of the slot released what this load overwrites."""
         phase = (t // self.slots) & 1
-        cute.arch.mbarrier_wait(self.empty_bar(t % self.slots, h), phase ^ 1)
+        cute.arch.mbarrier_wait(self.empty_bar(t % self.slots, 0 if half is None else half), phase ^ 1)
 
     @cute.jit
     def wait_full(self, t: cutlass.Int32, first_chunk: int, end_chunk: int):
@@ -124,12 +124,6 @@ class KvChunkRing:
             for h in cutlass.range_constexpr(self.empty_halves()):
                 cute.arch.mbarrier_init(self.empty_bar(s, h), self.empty_count(s, h))
 
-    def half_chunks(self, h: int) -> range:
-        """The chunks of half h (with halves; h = 0 is the whole tile without)."""
-        if self.halves is None:
-            return range(self.chunks)
-        return range(self.r_chunk) if h == 0 else range(self.r_chunk, self.chunks)
-
     @cute.jit
     def load(self, t: cutlass.Int32, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor,
              n_block: cutlass.Int32, half: int | None = None):
@@ -137,12 +131,9 @@ class KvChunkRing:
         when given, after waiting for it). ``src`` (atom, tiles, chunks) and ``dst`` (atom, 1,
         chunks, slots) are the TMA partitions of the chunked global and SMEM views."""
         s = t % self.slots
-        chunks = range(self.chunks) if half is None else self.half_chunks(half)
+        chunks = self.chunk_range(half)
+        self.wait_load(t, half)
         for c in cutlass.range_constexpr(chunks.start, chunks.stop):
-            if cutlass.const_expr(half is None):
-                self.wait_empty(t, c)
-            elif cutlass.const_expr(c == chunks.start):
-                self.wait_half(t, half)
             bar = self.full + (s * self.chunks + c)
             with cute.arch.elect_one():
                 if cutlass.const_expr(self.full_arrivals == 1):

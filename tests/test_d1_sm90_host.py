@@ -275,3 +275,16 @@ def test_seesaw_ring_halves_count_every_reader(head_dim):
     # negative control: PVs that read every column (no split) need 8 warps on every half
     every = {wg: list(range(head_dim // 64)) for wg in (0, 1)}
     assert seesaw_half_readers(k, every) != k.seesaw_halves()
+
+
+def test_halved_ring_loads_one_half_at_a_time():
+    """A ring with halves has an empty barrier per half, so a load of the whole tile would wait for
+    only one of them: the ring refuses it. Halves split the chunks at r_chunk; a ring without
+    halves loads whole tiles."""
+    from dsv4_attention.common.sm90_kv_chunks import KvChunkRing
+
+    halved = KvChunkRing(None, None, 2, 8, 8192, 8, halves=((4, 8), (8, 4)), r_chunk=4)
+    assert halved.chunk_range(0) == range(4) and halved.chunk_range(1) == range(4, 8)
+    with pytest.raises(ValueError, match="one half at a time"):
+        halved.chunk_range()
+    assert KvChunkRing(None, None, 2, 8, 8192, 8).chunk_range() == range(8)

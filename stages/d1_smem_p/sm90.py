@@ -73,11 +73,12 @@ K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot 
     fits. The seesaw's ring has an even slot count (slot parity = the warpgroup whose S tile it
     holds) and frees each tile in two halves, chunks [0, c_1 / 64) and the rest, each counting
     the warps that read it (``seesaw_halves``): the leader's PV frees the first half of tile a
-    while the follower's PV still reads the second, so the next tile's first chunks land early. The next tile can
-    then only load after PV(n+1) freed its slot: the tile lands in 64-column chunks, each with
-    its own full barrier, and QK's k-steps over chunk c wait for chunk c only
-    (common/sm90_kv_chunks.py; on the H200 this took head dim 512 from 415-441 to 511-523
-    TFLOP/s). Otherwise K and V have rings of their own (stage C's pipelines).
+    while the follower's PV still reads the second, so the next tile's first chunks land early.
+    In either ring a tile lands in 64-column chunks, each with its own full barrier, and QK's
+    k-steps over chunk c wait for chunk c only (common/sm90_kv_chunks.py; on the H200 this took
+    the lock-step kernel at head dim 512 from 415-441 to 511-523 TFLOP/s, when the next tile
+    could load only after PV(n+1) freed its whole slot). With K != V, K and V have rings of their
+    own (stage C's pipelines).
 
 Pipelines and barriers
     q_bar          TMA -> consumers: Q landed (one phase).
@@ -998,8 +999,8 @@ class FlashAttentionD1Sm90:
         them; half 1 = the rest, warpgroup 1's PV columns (and warpgroup 0's where the halves
         overlap, at 320 and 448). The warpgroup that computes a tile's S reads both halves."""
         overlap = self.o_col1 < self.o_width
-        wg = THREADS_PER_WARPGROUP // 32
-        return ((wg, 2 * wg), (2 * wg, 2 * wg if overlap else wg))
+        warps = THREADS_PER_WARPGROUP // 32  # of one warpgroup
+        return ((warps, 2 * warps), (2 * warps, 2 * warps if overlap else warps))
 
     def p_smem_layout(self) -> cute.ComposedLayout:
         """sP (tile_m, tile_n, p_buffers) (common/smem_p.py); a 64-key placeholder view

@@ -140,11 +140,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         src_rows = cute.make_rmem_tensor(passes, cutlass.Int32)
         for p in cutlass.range_constexpr(passes):
             src_rows[p] = self.gather_source_row(span, n, self.gather_row(tidx, p))
-        if cutlass.const_expr(half is None):
-            ring.wait_empty(t, 0)  # the slot
-        else:
-            ring.wait_half(t, half)
-        if cutlass.const_expr(half is None or half == 0):
+        chunks = ring.chunk_range(half)
+        ring.wait_load(t, half)
+        if cutlass.const_expr(chunks.start == 0):  # the load that covers chunk 0 stages the list
             if tidx < self.tile_n:  # the tile's list entries, for the consumers' masks (TopkSpan.tile_list)
                 word = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
                                            num_bits_per_copy=32)
@@ -155,10 +153,7 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         g_base = mC_hb.iterator.toint()
         s_base = ring_base.toint()
         row_stride = mC_hb.stride[0]
-        chunks = range(self.head_dim // CHUNK_COLS) if half is None else ring.half_chunks(half)
         for c in cutlass.range_constexpr(chunks.start, chunks.stop):
-            if cutlass.const_expr(half is None and c > 0):
-                ring.wait_empty(t, c)  # a halved ring's second half, before its first chunk
             for p in cutlass.range_constexpr(passes):
                 r = self.gather_row(tidx, p)
                 g_off = (cutlass.Int64(src_rows[p]) * row_stride + c * CHUNK_COLS + unit * 8) * elem
