@@ -39,14 +39,14 @@ from dsv4_attention.common.kv_span import KvSpan, token_position
 def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool,
                 has_positions: bool = False) -> None:
     """Stage E's compile-time options on a kernel object (both archs), refused where they do not
-    compose: compressed entries are K = V rows, not with cu_seqlens yet; top-k lists need the
-    compressed tensor and Q tiles of one token (pack_group a multiple of ``tile_m``); index mode is
-    top-k with no window; per-token positions (``has_positions``: the kernel takes mPositions) are
-    batched only and have no meaning in index mode."""
+    compose: compressed entries are K = V rows; top-k lists need the compressed tensor and Q tiles
+    of one token (pack_group a multiple of ``tile_m``); index mode is top-k with no window, batched;
+    per-token positions (``has_positions``: the kernel takes mPositions) have no meaning in index
+    mode."""
     kernel.has_compressed, kernel.has_topk, kernel.index_mode = bool(has_compressed), bool(has_topk), bool(index_mode)
     kernel.has_positions = bool(has_positions)
-    if kernel.has_positions and (kernel.varlen or kernel.index_mode):
-        raise ValueError("positions: batched tensors only, and not in index mode")
+    if kernel.has_positions and kernel.index_mode:
+        raise ValueError("positions have no meaning in index mode (the lists are the keys)")
     if kernel.index_mode and not (kernel.has_topk and not (kernel.has_left or kernel.has_right)):
         raise ValueError("index_mode: the lists are the only keys (has_topk, no window)")
     if kernel.has_topk and not kernel.has_compressed:
@@ -56,8 +56,39 @@ def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index
                          f"multiple of the {tile_m}-row tile")
     if kernel.has_compressed and not kernel.kv_shared:
         raise ValueError("compressed entries are K = V rows: the window's K and V must be one tensor (kv)")
-    if kernel.has_compressed and kernel.varlen:
-        raise ValueError("compressed entries with cu_seqlens are not supported yet: pass batched tensors")
+    if kernel.index_mode and kernel.varlen:
+        raise ValueError("index mode takes flat [tokens, heads, d] tensors, not cu_seqlens")
+
+
+def varlen_entries(request, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
+    """Request ``request``'s stage-E operands in a variable-length batch (kernel code, both archs).
+    The tensors hold every request's rows as one batch (b = 0):
+
+        compressed entries   rows cu_c[r] .. cu_c[r + 1] of mC / mC_mem (entries, d, kv_heads, 1)
+        top-k lists          rows cu_q[r] .. of mTopk (1, total_q, k): indices local to the request
+        positions            rows cu_q[r] .. of mPositions (1, total_q)
+
+    Returns (mC, mC_mem offset to the request's first entry, its entry count, its (seqlen_q, k)
+    lists or None, its (seqlen_q,) positions or None, the first entry's row cu_c[r]; the gathers
+    clamp that row into the tensor, as a request with no entry may start at its end). A box read
+    past the request's entries reads the next request's rows (or TMA's zero fill at the tensor's
+    end): the count masks them, as D3 masks a request's trailing keys."""
+    c0 = mCuSeqlensC[request]
+    n_compressed = mCuSeqlensC[request + 1] - c0
+    if cutlass.const_expr(mC is not None):  # sm100 top-k: None (its gather view takes the row cu_c[r])
+        mC = cute.domain_offset((c0, 0, 0, 0), mC)
+    if cutlass.const_expr(mC_mem is not None):
+        # a request with no entry may start at the tensor's end: its (masked) positions gather the
+        # view's row 0, kept in bounds by the clamp (with an entry, c0 < total and nothing moves)
+        mC_mem = cute.domain_offset((cutlass.min(c0, cutlass.max(mC_mem.shape[0] - 1, 0)), 0, 0, 0), mC_mem)
+    topk = positions = None
+    if cutlass.const_expr(mTopk is not None or mPositions is not None):
+        q0 = mCuSeqlensQ[request]
+        if cutlass.const_expr(mTopk is not None):
+            topk = cute.domain_offset((q0, 0), mTopk[0, None, None])
+        if cutlass.const_expr(mPositions is not None):
+            positions = cute.domain_offset((q0,), mPositions[0, None])
+    return mC, mC_mem, n_compressed, topk, positions, c0
 
 
 def compressed_visible_at(t: int, j: int, ratio: int, n_compressed: int) -> bool:

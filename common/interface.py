@@ -44,7 +44,8 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                  torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
                  4 if has_compressed else 0,
                  torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
-                 torch.zeros(2, 300, dtype=torch.int32) if has_positions else None]
+                 torch.zeros(2, 300, dtype=torch.int32) if has_positions else None,
+                 cu if varlen and has_compressed else None]
     return args
 
 
@@ -126,16 +127,18 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
 #: (common/kernel_cache.py)
 #: has no optional integers.
 MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-             "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices", "kv_start")
+             "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions",
+             "cu_seqlens_compressed")
 
 
 def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
               learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=0,
-              positions=None):
+              positions=None, cu_seqlens_compressed=None):
     """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot)."""
     return [seqused_k, int(0 if left is None else left), int(0 if right is None else right), cu_seqlens_q,
             cu_seqlens_k, int(max_seqlen_q), learnable_sink, compressed_kv,
-            int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start), positions]
+            int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start), positions,
+            cu_seqlens_compressed]
 
 
 def no_mask_args():
@@ -147,7 +150,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
-                             kv_start=0, index_mode=False, positions=None):
+                             kv_start=0, index_mode=False, positions=None, cu_seqlens_compressed=None):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -158,7 +161,11 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     by ``compress_ratio``, all of them or the ``topk_indices`` [batch, seqlen_q, k] each token lists,
     positions counted from ``kv_start``, the absolute position of raw key 0; common/compressed.py) and
     the query tokens' absolute positions (``positions`` [seqlen_q] or [batch, seqlen_q] int32,
-    non-decreasing; None: bottom-right aligned; batched calls only). An option
+    non-decreasing; None: bottom-right aligned). In a variable-length batch the compressed
+    entries are packed too (``compressed_kv`` [total_entries, kv_heads, head_dim], request b's
+    entries the rows ``cu_seqlens_compressed[b] ..``; None: floor(keys_b / ratio) entries each),
+    ``topk_indices`` [total_q, k] indexes the token's request's entries and ``positions`` is
+    [total_q], non-decreasing within each request. An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -179,16 +186,20 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         check_seqused_k,
         check_sink,
         check_topk,
+        varlen_compressed_offsets,
+        varlen_entry_limits,
+        varlen_request_starts,
     )
 
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
-    if positions is not None and varlen:
-        raise ValueError("positions with cu_seqlens is not supported: pass batched tensors")
-    if compressed and varlen:
-        raise ValueError("compressed_kv with cu_seqlens is not supported yet: pass batched [batch, seqlen, heads, "
-                         "head_dim] tensors")
+    if cu_seqlens_compressed is not None and not (varlen and compressed):
+        raise ValueError("cu_seqlens_compressed places the compressed entries of a variable-length batch: pass it "
+                         "with cu_seqlens_q / cu_seqlens_k and compressed_kv")
     entries = [None, None, None]  # (compressed_kv, compress_ratio, topk_indices) as the kernel gets them
     position_rows = [None]  # positions as the kernel gets them: (1 or batch, seqlen_q)
+    request_starts = [None]  # varlen: each request's first token (positions may drop there)
+    entry_limits = [None]  # varlen top-k: each token's request's entry count ([total_q] int32)
+    cu_compressed = [None]  # varlen: each request's first compressed entry ([requests + 1] int32)
 
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
@@ -217,14 +228,16 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
         chosen = {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
         if positions is not None:
-            position_rows[0] = check_positions(positions, q.shape[0], q.shape[1], q.device)
+            position_rows[0] = check_positions(positions, q.shape[0], q.shape[1], q.device,
+                                               request_starts=request_starts[0])
             chosen["has_positions"] = True
         if compressed:
             if topk_indices is not None and compressed_kv is None:
                 raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
-            check_compressed(compressed_kv, compress_ratio, k, v)
+            check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
             if topk_indices is not None:
-                check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch)
+                check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch,
+                           entry_limits=entry_limits[0])
                 if not compressed_kv.is_contiguous():  # rows are gathered by (batch, entry) address arithmetic
                     raise ValueError("with topk_indices, compressed_kv must be contiguous")
             if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
@@ -253,6 +266,17 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     if seqused_k is not None:
         raise ValueError("seqused_k with cu_seqlens_k is not supported: give each request's keys by cu_seqlens_k")
     requests = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else 0
+    # stage E's operands, packed like q and k: one batch of every request's rows in the kernel
+    packed = (("compressed_kv", compressed_kv, 3, "[total_entries, kv_heads, head_dim]"),
+              ("topk_indices", topk_indices, 2, "[total_q, k]"), ("positions", positions, 1, "[total_q]"))
+    for name, t, dim, shape in packed:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != dim):
+            raise ValueError(f"with cu_seqlens, {name} must be {shape}; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if compressed_kv is not None:
+        compressed_kv = compressed_kv.unsqueeze(0)
+    if topk_indices is not None:
+        topk_indices = topk_indices.unsqueeze(0)
     if out is not None:
         check_out("out", out, tuple(q.shape), q.dtype, q.device)
     if lse_out is not None:
@@ -264,6 +288,15 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                                        max_seqlen_q, max_seqlen_k)
         if requests > MAX_GRID_YZ:
             raise ValueError(f"at most {MAX_GRID_YZ} requests (grid z); got {requests}")
+        if positions is not None or (compressed and compressed_kv is not None):
+            starts = varlen_request_starts(cu_seqlens_q)
+            request_starts[0] = starts
+        if compressed and compressed_kv is not None:
+            check_compressed(compressed_kv, compress_ratio, k4, k4 if kv_shared else v)
+            cu_compressed[0] = varlen_compressed_offsets(cu_seqlens_compressed, cu_seqlens_k, compress_ratio,
+                                                        compressed_kv.shape[1], q.device)
+            if topk_indices is not None:
+                entry_limits[0] = varlen_entry_limits(cu_compressed[0], cu_seqlens_q, q.shape[0])
         return {**prepare(arch, q4, k4), "varlen": True}
 
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -271,5 +304,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     attention_forward(stage_id, kernels, head_dims, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale,
                       o.unsqueeze(0), lse.unsqueeze(0), options=options, options_for=prepare_varlen,
                       extra_args=lambda: mask_args(None, left, right, cu_seqlens_q, cu_seqlens_k, max_q[0],
-                                                   learnable_sink))
+                                                   learnable_sink, entries[0], entries[1], entries[2],
+                                                   positions=position_rows[0],
+                                                   cu_seqlens_compressed=None if entries[0] is None
+                                                   else cu_compressed[0]))
     return o, lse

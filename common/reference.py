@@ -120,7 +120,11 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
             parts.append((s_c, "bhij,bjhd->bihd", _expand_kv(compressed_kv, h).to(torch.float64)))
         else:
             idx = topk_indices.to(dev).long()  # [b, sq, k]
-            rows = torch.stack([compressed_kv[i, idx[i].clamp(min=0), 0] for i in range(b)]).to(torch.float64)
+            # a listed position past the entries (none at all: a request with no entry) gathers a zero
+            # row, masked below; the gather itself clamps into the tensor
+            src = compressed_kv if nc else compressed_kv.new_zeros(b, 1, *compressed_kv.shape[2:])
+            rows = torch.stack([src[i, idx[i].clamp(min=0, max=max(nc - 1, 0)), 0] for i in range(b)])
+            rows = rows.to(torch.float64)
             scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
             s_c = torch.einsum("bihd,bikd->bhik", q.to(torch.float64), rows) * scale
             ok = (idx >= 0) & (idx < torch.clamp(count, max=nc))

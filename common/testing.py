@@ -193,23 +193,36 @@ def check_varlen(forward, q, k, v, cu_q, cu_k, record, g, **case):
     """Run ``forward`` on a variable-length batch into NaN-poisoned outputs and assert each
     request's O and LSE against the float64 reference of that request alone (with the masks of
     ``case['options']``), globally over every request's rows and row by row; rows with no
-    visible key exactly O = 0 and LSE = -inf; rows past the last request never written."""
+    visible key exactly O = 0 and LSE = -inf; rows past the last request never written. Stage E's
+    packed operands are cut per request too: ``compressed_kv`` [total_entries, kv_heads, d] by
+    ``cu_seqlens_compressed`` (default floor(keys / ratio) entries a request), ``topk_indices``
+    [total_q, k] and ``positions`` [total_q] by the request's tokens."""
     from dsv4_attention.common.interface import same_memory
-    from dsv4_attention.common.reference import attention
 
     options = case.get("options", {})
     o = poison_(torch.empty_like(q))
     lse = poison_(torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device))
     forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=o, lse_out=lse, **options)
     torch.cuda.synchronize()
-    masks = {n: options[n] for n in MASK_OPTIONS if n in options}
+    masks = {n: options[n] for n in MASK_OPTIONS + COMPRESSED_OPTIONS if n in options}
     cq, ck = cu_q.tolist(), cu_k.tolist()
+    ckv = options.get("compressed_kv")
+    if ckv is not None:
+        cc = options.get("cu_seqlens_compressed")
+        cc = cc.tolist() if cc is not None else [0, *itertools.accumulate(
+            (b - a) // options["compress_ratio"] for a, b in zip(ck, ck[1:], strict=False))]
     outs, refs, lse_err, empty_ok = [], [], 0.0, True
     for b in range(len(cq) - 1):
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if cq[b + 1] == cq[b]:
             continue
-        o_ref, lse_ref = attention(q[None, qs], k[None, ks], v[None, ks], **masks)
+        request = dict(masks)
+        if ckv is not None:
+            request["compressed_kv"] = ckv[None, cc[b]:cc[b + 1]]
+        for name in ("topk_indices", "positions"):
+            if name in options:
+                request[name] = options[name][qs][None] if name == "topk_indices" else options[name][qs]
+        o_ref, lse_ref = reference_for(q[None, qs], k[None, ks], v[None, ks], request)
         outs.append(o[None, qs])
         refs.append(o_ref)
         got = lse[:, qs][None]

@@ -219,12 +219,15 @@ def check_kv_start(kv_start, seqlen_k: int) -> None:
         raise ValueError(f"kv_start must be an int >= 0 with kv_start + seqlen_k < 2^31; got {kv_start!r}")
 
 
-def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str) -> None:
+def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str,
+               entry_limits: torch.Tensor | None = None) -> None:
     """Top-k compressed entries: [batch, seqlen_q, k] int32 on q's device, the last dim contiguous,
     every value -1 or an entry index in [0, n_compressed) (reads the values: one device sync, skipped
     inside a CUDA graph capture, where the kernel's own bound check hides what lies outside). The
     kernels gather one token's list per Q tile, so the query heads of a KV head must fill whole
-    tiles (``group`` a multiple of the kernel's ``tile_m`` rows)."""
+    tiles (``group`` a multiple of the kernel's ``tile_m`` rows). ``entry_limits`` (a variable-length
+    batch, [seqlen_q] int32): token t's indices lie in [0, entry_limits[t]) instead, its request's
+    entries."""
     if not isinstance(topk_indices, torch.Tensor):
         raise ValueError(f"topk_indices must be a torch.Tensor or None; got {type(topk_indices).__name__}")
     if topk_indices.dtype != torch.int32:
@@ -241,18 +244,83 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
                          f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile")
     if topk_indices.numel() == 0 or (topk_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
+    if entry_limits is not None:
+        idx = topk_indices[0]
+        bad = (idx < -1) | (idx >= entry_limits[:, None])
+        if bool(bad.any()):
+            t, p = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"topk_indices values must be -1 or in [0, entries of the token's request); token {t} "
+                             f"lists {int(idx[t, p])} at position {p}, its request has {int(entry_limits[t])} entries")
+        return
     lo, hi = value_range(topk_indices)
     if lo < -1 or hi >= n_compressed:
         raise ValueError(f"topk_indices values must be -1 or in [0, {n_compressed}) (compressed_kv's entries); "
                          f"got min {lo}, max {hi}")
 
 
-def check_positions(positions, batch: int, seqlen_q: int, device) -> torch.Tensor:
+def varlen_request_starts(cu_seqlens_q) -> list | None:
+    """A variable-length batch's first token of each request (host ints; None inside a CUDA graph
+    capture, where values cannot be read)."""
+    if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return cu_seqlens_q[:-1].tolist()
+
+
+def varlen_compressed_offsets(cu_seqlens_compressed, cu_seqlens_k, ratio: int, total_entries: int,
+                              device) -> torch.Tensor:
+    """Where each request's compressed entries start in a variable-length batch's packed
+    compressed_kv ([requests + 1] int32 on the device): the given ``cu_seqlens_compressed``, checked
+    like cu_seqlens (from 0, non-decreasing, the last at most ``total_entries``), or, when None,
+    floor(keys / ratio) entries per request (DeepSeek-V4's compressor keeps one entry per ``ratio``
+    raw tokens), accumulated from cu_seqlens_k on the device. Reads the values (one sync), except
+    inside a CUDA graph capture."""
+    if cu_seqlens_compressed is None:
+        counts = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]) // ratio
+        cu = torch.zeros_like(cu_seqlens_k)
+        torch.cumsum(counts, 0, out=cu[1:])
+        name = "the entries cu_seqlens_k implies (floor(keys / compress_ratio) per request)"
+    else:
+        cu = cu_seqlens_compressed
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != device \
+                or cu.stride(0) != 1:
+            raise ValueError(f"cu_seqlens_compressed must be a contiguous [requests + 1] int32 tensor on {device}; "
+                             f"got {tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__}"
+                             + (f" {cu.dtype} on {cu.device}" if isinstance(cu, torch.Tensor) else ""))
+        if cu.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_compressed must have cu_seqlens_k's shape {tuple(cu_seqlens_k.shape)}; got "
+                             f"{tuple(cu.shape)}")
+        name = "cu_seqlens_compressed"
+    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+        return cu
+    c = cu.cpu()
+    if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"{name} must start at 0 and be non-decreasing; got {c.tolist()}")
+    if int(c[-1]) > total_entries:
+        raise ValueError(f"{name} end at entry {int(c[-1])}, past compressed_kv's {total_entries} rows")
+    return cu
+
+
+def varlen_entry_limits(cu_compressed: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int):
+    """Each query token's request's compressed entry count ([total_q] int32; None inside a CUDA
+    graph capture): the bound of its top-k indices."""
+    if cu_compressed.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    counts = (cu_compressed[1:] - cu_compressed[:-1]).long()
+    tokens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    limits = torch.full((total_q,), 2**31 - 1, dtype=torch.long, device=cu_compressed.device)  # tokens of no request
+    used = int(cu_seqlens_q[-1])
+    limits[:used] = torch.repeat_interleave(counts, tokens, output_size=used)
+    return limits
+
+
+def check_positions(positions, batch: int, seqlen_q: int, device, request_starts=None) -> torch.Tensor:
     """The query tokens' absolute positions: [seqlen_q] (shared by every request) or [batch, seqlen_q]
     int32 on q's device, contiguous, every value in [0, 2^30) and non-decreasing along a request's
     tokens (a kernel bounds a Q tile's keys by its first and last token). Returns the (1 or batch,
     seqlen_q) view the kernels take. Reads the values (one device sync), except inside a CUDA graph
-    capture: a decreasing list there hides keys from some rows, it never reads out of bounds."""
+    capture: a decreasing list there hides keys from some rows, it never reads out of bounds.
+    ``request_starts`` (a variable-length batch: [total_q] positions, each request's first token):
+    a request's first position may lie below the previous request's last."""
     if not isinstance(positions, torch.Tensor):
         raise ValueError(f"positions must be a torch.Tensor or None; got {type(positions).__name__}")
     if positions.dtype != torch.int32:
@@ -268,7 +336,11 @@ def check_positions(positions, batch: int, seqlen_q: int, device) -> torch.Tenso
     if positions.numel() == 0 or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
         return rows
     lo, hi = torch.aminmax(rows)
-    drops = (rows[:, 1:] < rows[:, :-1]).sum()
+    steps = rows[:, 1:] < rows[:, :-1]
+    if request_starts is not None:  # a new request starts over
+        starts = torch.tensor([t - 1 for t in request_starts if 0 < t < seqlen_q], dtype=torch.long)
+        steps[:, starts.to(steps.device)] = False
+    drops = steps.sum()
     lo, hi, drops = (int(x) for x in torch.stack([lo.long(), hi.long(), drops.long()]).tolist())
     if lo < 0 or hi >= 2**30:
         raise ValueError(f"positions must lie in [0, 2^30); got min {lo}, max {hi}")

@@ -10,7 +10,7 @@ One op per stage, named ``dsv4_attention::<id>_<name>``. The attention stages sh
     (q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None,
      seqused_k=None, pack_gqa=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
      max_seqlen_k=None, learnable_sink=None, compressed_kv=None, compress_ratio=None,
-     topk_indices=None, kv_start=None, positions=None) -> (o, lse)
+     topk_indices=None, kv_start=None, positions=None, cu_seqlens_compressed=None) -> (o, lse)
 
 (a window is two optional ints, as a schema cannot hold a tuple with None); an argument a stage
 does not take must keep its default (ValueError otherwise, from the op as from ``forward``).
@@ -36,7 +36,7 @@ TAKES = {s.id: frozenset(inspect.signature(s.forward).parameters) for s in stage
 def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                   learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
-                  kv_start=None, positions=None) -> dict:
+                  kv_start=None, positions=None, cu_seqlens_compressed=None) -> dict:
     """The forward keyword arguments of ``stage`` for the op's arguments (those it takes)."""
     takes = TAKES[stage.id]
     given = {"softmax_scale": softmax_scale, "causal": causal, "seqused_k": seqused_k, "pack_gqa": pack_gqa}
@@ -44,7 +44,7 @@ def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, sequs
                         ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
                         ("learnable_sink", learnable_sink), ("compressed_kv", compressed_kv),
                         ("compress_ratio", compress_ratio), ("topk_indices", topk_indices), ("kv_start", kv_start),
-                        ("positions", positions)):
+                        ("positions", positions), ("cu_seqlens_compressed", cu_seqlens_compressed)):
         if value is not None:  # only passed when given: earlier stages do not take them
             given[name] = value
     if window_left is not None or window_right is not None:
@@ -71,10 +71,11 @@ def _register_attention(stage):
            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
            learnable_sink: torch.Tensor | None = None, compressed_kv: torch.Tensor | None = None,
            compress_ratio: int | None = None, topk_indices: torch.Tensor | None = None,
-           kv_start: int | None = None, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           kv_start: int | None = None, positions: torch.Tensor | None = None,
+           cu_seqlens_compressed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, learnable_sink, compressed_kv,
-                               compress_ratio, topk_indices, kv_start, positions)
+                               compress_ratio, topk_indices, kv_start, positions, cu_seqlens_compressed)
         o, lse = stage.forward(q, k, v, **kwargs)
         return o, lse
 
@@ -82,7 +83,7 @@ def _register_attention(stage):
     def _(q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None, seqused_k=None,
           pack_gqa=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
           learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=None,
-          positions=None):
+          positions=None, cu_seqlens_compressed=None):
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
         if cu_seqlens_q is not None:  # varlen: q [total_q, heads, d], lse [heads, total_q]
             return o, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

@@ -172,6 +172,10 @@ CASES = [
            "has_compressed": True, "has_topk": True, "has_positions": True}),
     (512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_compressed": True,
            "has_positions": True}),
+    (512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True, "has_sink": True,
+           "has_compressed": True, "varlen": True}),
+    (512, {"kv_shared": True, "pack_group": 64, "has_left": True, "has_right": True, "has_sink": True,
+           "has_compressed": True, "has_topk": True, "varlen": True, "has_positions": True}),
 ]
 
 
@@ -249,3 +253,57 @@ def test_positions_check_returns_the_kernels_rows():
     pos = torch.tensor([3, 3, 7, 9], dtype=torch.int32)
     assert check_positions(pos, 2, 4, torch.device("cpu")).shape == (1, 4)
     assert check_positions(torch.stack([pos, pos + 1]), 2, 4, torch.device("cpu")).shape == (2, 4)
+
+
+def test_varlen_entries_default_to_floor_of_keys_over_ratio():
+    from dsv4_attention.common.validation import varlen_compressed_offsets
+
+    cu_k = torch.tensor([0, 400, 481, 481, 1000], dtype=torch.int32)
+    got = varlen_compressed_offsets(None, cu_k, 4, 300, torch.device("cpu"))
+    assert got.dtype == torch.int32 and got.tolist() == [0, 100, 120, 120, 249]
+    with pytest.raises(ValueError, match="past compressed_kv"):
+        varlen_compressed_offsets(None, cu_k, 4, 248, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("given,match", [
+    ([0, 5, 3], "non-decreasing"), ([1, 5, 9], "start at 0"), ([0, 5, 11], "past compressed_kv"),
+    ([0, 5], "shape"), (torch.tensor([0, 5, 9]), "int32"),
+])  # fmt: skip
+def test_varlen_entry_offsets_checks(given, match):
+    from dsv4_attention.common.validation import varlen_compressed_offsets
+
+    cu = given if isinstance(given, torch.Tensor) else torch.tensor(given, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        varlen_compressed_offsets(cu, torch.tensor([0, 8, 16], dtype=torch.int32), 4, 10, torch.device("cpu"))
+    ok = torch.tensor([0, 5, 9], dtype=torch.int32)
+    assert varlen_compressed_offsets(ok, torch.tensor([0, 8, 16], dtype=torch.int32), 4, 10,
+                                     torch.device("cpu")) is ok
+
+
+def test_varlen_topk_indices_are_local_to_the_tokens_request():
+    """Token t's indices must lie below its own request's entry count: an index valid in the packed
+    tensor but past the request's entries is refused, naming the token; -1 is always fine."""
+    from dsv4_attention.common.validation import varlen_entry_limits
+
+    cu_c = torch.tensor([0, 100, 120], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32)
+    limits = varlen_entry_limits(cu_c, cu_q, 6)  # token 5 belongs to no request
+    assert limits[:5].tolist() == [100, 100, 100, 20, 20] and limits[5] >= 2**31 - 1
+    q = kv_like(1, 6, 128, 512)
+    idx = torch.full((1, 6, 4), -1, dtype=torch.int32)
+    idx[0, :3, 0], idx[0, 3:5, 0] = 99, 19
+    check_topk(idx, q, 120, 128, 64, "sm90", entry_limits=limits)
+    idx[0, 4, 2] = 20  # in the packed tensor, past request 1's 20 entries
+    with pytest.raises(ValueError, match="token 4 lists 20 at position 2"):
+        check_topk(idx, q, 120, 128, 64, "sm90", entry_limits=limits)
+
+
+def test_varlen_positions_start_over_at_each_request():
+    from dsv4_attention.common.validation import check_positions
+
+    pos = torch.tensor([7, 8, 9, 0, 1, 4], dtype=torch.int32)
+    assert check_positions(pos, 1, 6, torch.device("cpu"), request_starts=[0, 3]).shape == (1, 6)
+    with pytest.raises(ValueError, match="non-decreasing"):  # the drop is inside a request
+        check_positions(pos, 1, 6, torch.device("cpu"), request_starts=[0, 2])
+    with pytest.raises(ValueError, match="non-decreasing"):  # batched: no request starts
+        check_positions(pos, 1, 6, torch.device("cpu"))

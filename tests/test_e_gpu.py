@@ -6,7 +6,11 @@ are not tile multiples, seqlen_q below, at and above seqlen_k, more entries than
 (poisoned with huge values: a mask that lets one through fails loudly), requests with no key,
 bitwise repeatability, compute-sanitizer. Top-k lists (CSA): random distinct entries with -1 padding
 and entries not yet visible, k not a tile multiple; lists that name only invisible entries (valued
-100) leak nothing; listing every entry equals the dense mode. Bad inputs refused before launch."""
+100) leak nothing; listing every entry equals the dense mode. Variable-length batches: each request
+its own window, entries and lists (packed), positions starting over per request. Bad inputs refused
+before launch."""
+
+import itertools
 
 import pytest
 import torch
@@ -17,11 +21,13 @@ from dsv4_attention.common.testing import (
     O_REL,
     attention_inputs,
     check_attention,
+    check_varlen,
     errors,
     fresh_generator,
     gpu_arch_params,
     random_bshd,
     run_compute_sanitizer,
+    varlen_inputs,
 )
 from dsv4_attention.stages import e_fused as stage
 
@@ -329,6 +335,103 @@ def test_bad_compressed_input_is_refused_before_launch(arch):
             stage.forward(q, kv, **kw)
     with pytest.raises(ValueError, match="K = V"):
         stage.forward(q, kv, kv.clone(), compressed_kv=c, compress_ratio=4)
+
+
+def request_lists(q_lens, counts, k, g, pad=0.2):
+    """[total_q, k] int32 top-k lists of a variable-length batch, indices local to each token's
+    request (distinct, some -1, some not yet visible): request r's tokens list entries of its own
+    ``counts[r]``."""
+    lists = []
+    for n, c in zip(q_lens, counts, strict=True):
+        idx = torch.stack([torch.randperm(max(c, k), generator=g)[:k] for _ in range(n)]) if n else \
+            torch.zeros(0, k, dtype=torch.long)
+        idx[(idx >= c) | (torch.rand(idx.shape, generator=g) < pad)] = -1
+        lists.append(idx.int())
+    return torch.cat(lists).cuda()
+
+
+def packed_entries(counts, visible, head_dim, g, pad=0):
+    """[sum(counts) + pad, 1, head_dim] compressed entries of a variable-length batch, request r's
+    the rows from sum(counts[:r]); rows past a request's ``visible[r]`` (entries no token of it can
+    see yet) and the ``pad`` rows past the last request are 100-valued: a leak fails loudly."""
+    parts = []
+    for c, v in zip(counts, visible, strict=True):
+        part = random_bshd(1, c, 1, head_dim, torch.bfloat16, "cuda", generator=g)[0]
+        part[v:] = 100.0
+        parts.append(part)
+    parts.append(torch.full((pad, 1, head_dim), 100.0, dtype=torch.bfloat16, device="cuda"))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+@pytest.mark.parametrize("layout", ["derived", "given"])
+def test_varlen_requests(arch, mode, layout, record_errors):
+    """DeepSeek-V4 requests of different lengths in one variable-length batch (prefill longer and
+    shorter than its keys, decode, a request with no query, one with no entry): each request sees
+    its own window and its own compressed entries, packed like its tokens. ``derived``: floor(keys
+    / ratio) entries a request (no cu_seqlens_compressed); ``given``: cu_seqlens_compressed with
+    entries past what any token of the request sees (100-valued). Each request against its own
+    float64 reference; rows past the batch never written."""
+    q_lens, k_lens, heads = [130, 2, 0, 257, 64, 3], [1100, 700, 50, 257, 3, 900], 128
+    q, kv, _, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, heads, 1, 512, torch.bfloat16, kv_shared=True, pad=5)
+    ratio = 4 if mode == "csa" else 128
+    visible = [n // ratio for n in k_lens]
+    counts = visible if layout == "derived" else [v + 9 for v in visible]
+    options = {"compressed_kv": packed_entries(counts, visible, 512, g, pad=7), "compress_ratio": ratio,
+               "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)}
+    if layout == "given":
+        options["cu_seqlens_compressed"] = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32,
+                                                        device="cuda")
+    if mode == "csa":
+        options["topk_indices"] = request_lists(q_lens, counts, 200, g)
+        options["topk_indices"] = torch.cat([options["topk_indices"],
+                                             torch.full((5, 200), -1, dtype=torch.int32, device="cuda")])
+    check_varlen(stage.forward, q, kv, kv, cu_q, cu_k, record_errors, g, arch=arch, options=options)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+def test_varlen_positions(arch, mode, record_errors):
+    """A variable-length batch of prefill chunks placed by absolute positions ([total_q], sorted
+    within each request, starting over at each request): each token's window and entries follow
+    its own position and its own request's keys and entries."""
+    q_lens, k_lens, heads, ratio = [90, 40, 1], [600, 900, 300], 128, 4
+    q, kv, _, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, heads, 1, 512, torch.bfloat16, kv_shared=True)
+    pos = torch.cat([torch.sort(torch.randint(0, n + 40, (t,), generator=g)).values
+                     for t, n in zip(q_lens, k_lens, strict=True)]).int().cuda()
+    counts = [(n + 41) // ratio for n in k_lens]  # enough for every position
+    options = {"compressed_kv": packed_entries(counts, counts, 512, g), "compress_ratio": ratio, "positions": pos,
+               "cu_seqlens_compressed": torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32,
+                                                     device="cuda"),
+               "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)}
+    if mode == "csa":
+        options["topk_indices"] = request_lists(q_lens, counts, 150, g)
+    check_varlen(stage.forward, q, kv, kv, cu_q, cu_k, record_errors, g, arch=arch, options=options)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_varlen_bad_entries_are_refused_before_launch(arch):
+    q_lens, k_lens = [3, 2], [400, 80]
+    q, kv, _, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, 128, 1, 512, torch.bfloat16, kv_shared=True)
+    c = torch.zeros(120, 1, 512, device="cuda", dtype=torch.bfloat16)
+    kw = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "compress_ratio": 4}
+    lists = torch.full((5, 8), -1, dtype=torch.int32, device="cuda")
+    bad_lists = lists.clone()
+    bad_lists[3, 2] = 20  # request 1 has 80 // 4 = 20 entries: 20 is past them
+    cu = lambda *x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    for extra, match in [({"compressed_kv": c[None]}, "total_entries"),
+                         ({"compressed_kv": c[:110]}, "past compressed_kv"),
+                         ({"compressed_kv": c, "topk_indices": lists[None]}, r"\[total_q, k\]"),
+                         ({"compressed_kv": c, "topk_indices": bad_lists}, "token 3 lists 20"),
+                         ({"compressed_kv": c, "cu_seqlens_compressed": cu(0, 100, 90)}, "non-decreasing"),
+                         ({"compressed_kv": c, "cu_seqlens_compressed": cu(0, 100, 130)}, "past compressed_kv"),
+                         ({"compressed_kv": c, "cu_seqlens_compressed": cu(0, 100)}, "shape"),
+                         ({"compressed_kv": c, "positions": cu(5, 4, 0, 1, 2)}, "non-decreasing")]:
+        with pytest.raises(ValueError, match=match):
+            stage.forward(q, kv, **kw, **extra)
+    with pytest.raises(ValueError, match="cu_seqlens_compressed places"):
+        stage.forward(q[None], kv[None], compressed_kv=c[None], compress_ratio=4, cu_seqlens_compressed=cu(0, 100))
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -28,6 +28,7 @@ tiles, the TMA warp's source per tile, and the compile budgets.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import cutlass
 import cutlass.cute as cute
@@ -326,7 +327,8 @@ def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: i
         sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
         span = kernel.kv_span(*span_args)
         _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
-        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b)
+        _, _, c_row0, _, _ = kernel.request_entries(b, b, tma_c, None, None, None, None)
+        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b, c_row0)
         names = {id(atom_k): "k", id(atom_c): "c"}
         got = {}
         real_copy = cute.copy
@@ -653,11 +655,97 @@ def test_topk_gathered_rows_checker_rejects_unclamped_rows():
     assert first_mismatches(want, got) != []
 
 
+class VarlenEntriesOfRequestZero(FlashAttentionESm100):
+    """Wrong: a variable-length request's entries read from the packed tensor's first row (request
+    0's entries) instead of its own."""
+
+    def request_entries(self, request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
+        mC, n_compressed, _, topk, positions = super().request_entries(request, b, mC, mTopk, mPositions,
+                                                                       mCuSeqlensQ, mCuSeqlensC)
+        return mC, n_compressed, Int32(0), topk, positions
+
+
+# the last request has no entry and starts at the tensor's end: its masked positions gather the last row
+VARLEN_CASE = dict(q_lens=[3, 2, 4, 1], k_lens=[1000, 600, 5, 2], entries=[300, 150, 1, 0], k=200, ratio=4, seed=3)
+
+
+def varlen_gathered_rows(case: dict, cls=FlashAttentionESm100):
+    """A variable-length batch's top-k gather on the CPU: the kernel's ``request_entries`` (request
+    r's entries at packed row cu_c[r], its lists at token cu_q[r], indices local to the request),
+    ``kv_span`` and ``gather_rows`` for every compressed tile of every Q tile of every request:
+    {(request, m_blk, tile): [2D row of box row r]}, and what the plain formula says:
+    cu_c[r] + idx where the token sees that entry, cu_c[r] (its first entry; the last row where the
+    request has none at the tensor's end) elsewhere."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.compressed import topk_visible
+    from dsv4_attention.common.jit import as_cute
+
+    kernel = make_kernel(512, cls=cls, **dict(TOPK_512, varlen=True))
+    tile_n, g = kernel.plan.tile_n, kernel.pack_group
+    q_lens, k_lens, counts, k, ratio = case["q_lens"], case["k_lens"], case["entries"], case["k"], case["ratio"]
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    cu_c = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+    lists = [topk_lists(n, k, c, case["seed"] + r) for r, (n, c) in enumerate(zip(q_lens, counts, strict=True))]
+    topk = torch.cat(lists)[None]
+    max_tiles = 8
+
+    @cute.jit
+    def host(out: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, cu_q: cute.Tensor, cu_c: cute.Tensor,
+             rows_2d: cute.Tensor, request: Int32, m_blk: Int32, rows: Int32, seqlen_k: Int32, ratio: Int32):
+        # rows_2d: the gather view's (entries, columns) extent (what the kernel's atom view spans)
+        _, n_compressed, c_row0, topk_r, _ = kernel.request_entries(request, 0, rows_2d, topk, None, cu_q, cu_c)
+        span = kernel.kv_span(m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk_r)
+        info[0] = span.n_cmp
+        for tile in cutlass.range(span.n_cmp, unroll=1):
+            got = kernel.gather_rows(span, tile, c_row0)
+            for r in cutlass.range_constexpr(tile_n):
+                out[tile, r] = got[r]
+
+    out, info = torch.zeros(max_tiles, tile_n, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    rows_2d = torch.zeros(int(cu_c[-1]), 1, dtype=torch.int32)
+    tensors = lambda: (from_dlpack(out), from_dlpack(info), as_cute(topk), from_dlpack(cu_q),  # noqa: E731
+                       from_dlpack(cu_c), from_dlpack(rows_2d))
+    with target_arch("sm100"):
+        fn = cute.compile(host, *tensors(), *[Int32(0)] * 5, options=f"--gpu-arch={GPU_ARCH['sm100']}")
+    got, want = {}, {}
+    for r, (sq, sk, n_c) in enumerate(zip(q_lens, k_lens, counts, strict=True)):
+        c0 = min(int(cu_c[r]), int(cu_c[-1]) - 1)
+        for m_blk in range(sq * g // QK_TILE_M):
+            fn(*tensors(), *[Int32(x) for x in (r, m_blk, sq * g, sk, ratio)])
+            n_cmp = int(info[0])
+            assert n_cmp == -(-k // tile_n) <= max_tiles
+            token = m_blk * QK_TILE_M // g
+            lists = topk[0, int(cu_q[r]) + token]
+            for tile in range(n_cmp):
+                got[(r, m_blk, tile)] = out[tile].tolist()
+                want[(r, m_blk, tile)] = [
+                    c0 + (int(lists[p]) if p < k and topk_visible(token, p, int(lists[p]), sq, sk, ratio, n_c, k)
+                          else 0)
+                    for p in range(tile * tile_n, tile * tile_n + tile_n)]
+    return got, want
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_varlen_topk_gathers_each_requests_own_entries():
+    got, want = varlen_gathered_rows(VARLEN_CASE)
+    assert first_mismatches(want, got) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_varlen_gather_checker_rejects_request_zeros_entries():
+    got, want = varlen_gathered_rows(VARLEN_CASE, cls=VarlenEntriesOfRequestZero)
+    assert first_mismatches(want, got) != []
+
+
 class GatherColumnsOfHeadZero(FlashAttentionESm100):
     """Wrong: the gather's columns not shifted to kv head hk's head_dim slice."""
 
-    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b):
-        gC, _, row0 = super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b)
+    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b, c_row0):
+        gC, _, row0 = super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
         return gC, 0, row0
 
 
@@ -696,9 +784,10 @@ def topk_gather_copies(head_dim: int, options: dict, cls=FlashAttentionESm100, h
         smem = cute.make_ptr(BF16, 1024, cute.AddressSpace.smem, assumed_align=1024)
         sK = cute.make_tensor(cute.recast_ptr(smem, k_ring.inner), k_ring.outer)
         sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
-        span = kernel.kv_span(1, SQ * kernel.pack_group, S, 127, 0, 4, tma_c.shape[0], topk[b, None, None])
+        _, n_c, c_row0, topk_b, _ = kernel.request_entries(b, b, tma_c, topk, None, None, None)
+        span = kernel.kv_span(1, SQ * kernel.pack_group, S, 127, 0, 4, n_c, topk_b)
         _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
-        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b)
+        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b, c_row0)
         _, tKsK = cpasync.tma_partition(atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
                                         cute.group_modes(qk.get_slice(0).partition_B(
                                             cute.local_tile(tma_k[None, None, 0, 0], (plan.tile_n, plan.d_block),
@@ -811,6 +900,8 @@ COMPILE_CASES = [
     (512, dict(HCA_512, has_topk=True)),
     (512, dict(HCA_512, has_topk=True, has_positions=True)),
     (512, dict(HCA_512, has_positions=True)),
+    (512, dict(HCA_512, varlen=True)),
+    (512, dict(HCA_512, has_topk=True, has_positions=True, varlen=True)),
     (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
            "index_mode": True}),
     (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_sink": True, "has_compressed": True}),

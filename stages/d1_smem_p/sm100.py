@@ -285,6 +285,7 @@ class FlashAttentionD1Sm100:
         mTopk: cute.Tensor | None = None,
         kv_start: cutlass.Int32 = None,
         mPositions: cute.Tensor | None = None,
+        mCuSeqlensC: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -362,7 +363,7 @@ class FlashAttentionD1Sm100:
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink, tma_atom_c, tma_c, compress_ratio, mTopk, kv_start,
-            mPositions,
+            mPositions, mCuSeqlensC,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
@@ -420,6 +421,17 @@ class FlashAttentionD1Sm100:
         coordinate to index them with, its (packed) row count and its key count. Here request
         ``batch`` is a batch entry of the tensors."""
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
+
+    def request_entries(self, request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
+        """The seam where stage E's compressed entries meet D3's variable-length batches: (mC,
+        n_compressed, c_row0, topk, positions) = the compressed TMA view to index with batch
+        coordinate b, the request's entry count, its first entry as a row of every batch's entries
+        (b * entries), its (seqlen_q, k) top-k lists (or None) and its query tokens' absolute
+        positions (or None). Here a request is a batch entry of the tensors."""
+        topk = None
+        if const_expr(mTopk is not None):
+            topk = mTopk[b, None, None]
+        return mC, mC.shape[0], b * mC.shape[0], topk, positions_row(mPositions, b)
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0,
                 n_compressed=0, mTopk=None, kv_start=0, positions=None) -> KvSpan:
@@ -510,15 +522,19 @@ class FlashAttentionD1Sm100:
         mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of entries, -1 padded
         kv_start: Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
         mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
+        mCuSeqlensC: cute.Tensor | None,  # E varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1] of mC
     ):
         bx, h, request = cute.arch.block_idx()
         m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
         hk = h // (mQ.shape[2] // mK.shape[2])  # GQA: `heads // kv_heads` query heads share a KV head
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
             request, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
+        mC, n_compressed, c_row0, topk_b, positions_b = self.request_entries(
+            request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
         args = (qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
                 scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-                n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk, kv_start, mPositions)
+                n_rows, seqlen_k, mSink, tma_atom_c, mC, n_compressed, c_row0, compress_ratio, topk_b, kv_start,
+                positions_b)
         if const_expr(self.varlen):
             # the grid spans the longest request: a tile past its request's rows loads and stores
             # nothing (uniform per CTA: no thread reaches a barrier)
@@ -531,7 +547,8 @@ class FlashAttentionD1Sm100:
     def tile(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
         scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-        n_rows, seqlen_k, mSink, tma_atom_c, mC, compress_ratio, mTopk, kv_start, mPositions,
+        n_rows, seqlen_k, mSink, tma_atom_c, mC, n_compressed, c_row0, compress_ratio, topk_b, kv_start,
+        positions_b,
     ):  # fmt: skip
         """One CTA's work: Q tile m_blk (O half ``half``) of head h (KV head hk) of request b, on the
         request's views (``request_views``: n_rows packed rows, seqlen_k keys)."""
@@ -540,11 +557,8 @@ class FlashAttentionD1Sm100:
         tidx, _, _ = cute.arch.thread_idx()
         # the Q tile's keys: KV tile n holds keys span.origin + n * tile_n ..; both O halves of a
         # Q tile (o_split) compute the same span from the same m_blk
-        mTopk_b = None  # top-k (stage E): request b's (seqlen_q, k) lists
-        if const_expr(mTopk is not None):
-            mTopk_b = mTopk[b, None, None]
-        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0], mTopk_b,
-                            kv_start, positions_row(mPositions, b))
+        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, topk_b,
+                            kv_start, positions_b)
         n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:
@@ -592,7 +606,7 @@ class FlashAttentionD1Sm100:
         if warp_idx == self.tma_warp:
             self.load(
                 qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC,
+                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC, c_row0,
             )  # fmt: skip
 
         if warp_idx == self.mma_warp:
@@ -620,7 +634,7 @@ class FlashAttentionD1Sm100:
     @cute.jit
     def load(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC,
+        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC, c_row0,
     ):  # fmt: skip
         plan = self.plan
         n_tiles = span.n_tiles
@@ -631,7 +645,7 @@ class FlashAttentionD1Sm100:
         )  # fmt: skip
         tKsK, tKgK, tVsV, tVgV = self.kv_tma_views(qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b,
                                                    span.origin)
-        tCgC = self.compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b)
+        tCgC = self.compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
 
         stage = q_producer.acquire_and_advance()
         cute.copy(tma_atom_q, tQgQ[None, m_blk], tQsQ[None, 0], tma_bar_ptr=stage.barrier)
@@ -657,10 +671,11 @@ class FlashAttentionD1Sm100:
         tiles below span.n_cmp come from the compressed entries (``tCgC``); here every tile is K's."""
         cute.copy(tma_atom_k, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
 
-    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b):
+    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b, c_row0):
         """Stage E: tCgC[None, n, kb] is K block kb of compressed tile n, a (tile_n, d_block) box of
         (entries, head_dim) at entry n * tile_n (no origin: entries are not windowed; past the tensor
-        zero-filled, and masked); the same box and ring stages as K's. None where unused."""
+        zero-filled, and masked); the same box and ring stages as K's. None where unused. ``c_row0``:
+        the request's first entry as a row of the entries of every batch (``request_entries``; top-k)."""
         if not self.has_compressed:
             return None
         plan = self.plan

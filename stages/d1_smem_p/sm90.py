@@ -262,6 +262,7 @@ class FlashAttentionD1Sm90:
         mTopk: cute.Tensor | None = None,
         kv_start: cutlass.Int32 = None,
         mPositions: cute.Tensor | None = None,
+        mCuSeqlensC: cute.Tensor | None = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
@@ -333,7 +334,7 @@ class FlashAttentionD1Sm90:
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem, kv_start, mPositions,
+            mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -391,6 +392,16 @@ class FlashAttentionD1Sm90:
         batch entry of the tensors (b = batch)."""
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
+    def request_entries(self, request, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
+        """The seam where stage E's compressed entries meet D3's variable-length batches: (mC, mC_mem,
+        n_compressed, topk, positions) = the compressed views to index with batch coordinate b, the
+        request's entry count, its (seqlen_q, k) top-k lists (or None) and its query tokens' absolute
+        positions (or None). Here a request is a batch entry of the tensors."""
+        topk = None
+        if cutlass.const_expr(mTopk is not None):
+            topk = mTopk[b, None, None]
+        return mC, mC_mem, mC.shape[0], topk, positions_row(mPositions, b)
+
     @cute.kernel
     def kernel(
         self,
@@ -425,6 +436,7 @@ class FlashAttentionD1Sm90:
         mC_mem: cute.Tensor,  # the compressed entries' memory (seqlen_c, d, kv_heads, batch); O's where unused
         kv_start: cutlass.Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
         mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
+        mCuSeqlensC: cute.Tensor | None,  # E varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1] of mC
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -433,6 +445,8 @@ class FlashAttentionD1Sm90:
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
             batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
+        mC, mC_mem, n_compressed, topk_b, positions_b = self.request_entries(
+            batch, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
 
         # a tile past its request's rows (varlen: the grid spans the longest request) has no work
         if m_block * self.tile_m < n_rows:
@@ -488,11 +502,8 @@ class FlashAttentionD1Sm90:
             row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
 
             d = self.head_dim
-            topk_b = None
-            if cutlass.const_expr(mTopk is not None):
-                topk_b = mTopk[b, None, None]
-            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, mC.shape[0],
-                                topk_b, kv_start, positions_row(mPositions, b))
+            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
+                                topk_b, kv_start, positions_b)
             if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
                 span.stage_lists(storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))), self.slots)
             origin, n_blocks = span.origin, span.n_tiles

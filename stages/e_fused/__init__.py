@@ -17,8 +17,8 @@ entries each token lists take part, gathered by the kernel (sm90: cp.async by th
 warpgroup; sm100: TMA gather). ``index_attention``: FlashMLA's sparse attention (index lists as a
 token's only keys) on the same kernel. ``kv_start`` places the raw keys in the sequence when they are only its last
 rows; ``positions`` places each query token (non-decreasing absolute positions: a prefill chunk
-anywhere in its sequence). Not yet here: compressed entries or ``positions`` with ``cu_seqlens``
-(ValueError).
+anywhere in its sequence). Variable-length batches (``cu_seqlens``) pack the compressed entries
+as they pack the tokens (``cu_seqlens_compressed``; common/compressed.varlen_entries).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
             window_size=(None, None), seqused_k: torch.Tensor | None = None,
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
-            kv_start: int = 0, positions: torch.Tensor | None = None, out=None, lse_out=None,
-            p_in_smem: bool | None = None):
+            kv_start: int = 0, positions: torch.Tensor | None = None,
+            cu_seqlens_compressed: torch.Tensor | None = None, out=None, lse_out=None, p_in_smem: bool | None = None):
     """Stage D5's attention over the window's keys plus the compressed entries.
 
     ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
@@ -75,8 +75,13 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     non-decreasing along a request's tokens): the query tokens' absolute positions instead of that
     alignment (a prefill chunk placed anywhere in its sequence; raw key j stays at kv_start + j):
     query i sees raw key j iff positions[i] - left <= kv_start + j <= positions[i] + right and entry j
-    iff j < floor((positions[i] + 1) / ratio). Returns (o, lse), lse over both key sets, without
-    the sink."""
+    iff j < floor((positions[i] + 1) / ratio). Variable-length batches (``cu_seqlens_q`` /
+    ``cu_seqlens_k``, q [total_q, heads, d], kv [total_k, kv_heads, d]): ``compressed_kv`` is
+    packed too, [total_entries, kv_heads, d], request b's entries the rows
+    ``cu_seqlens_compressed[b] .. cu_seqlens_compressed[b + 1]`` (None: floor(keys_b / ratio) each,
+    in order), ``topk_indices`` [total_q, k] indexes the token's own request's entries, and
+    ``positions`` [total_q] is non-decreasing within each request. Returns (o, lse), lse over both
+    key sets, without the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -86,7 +91,8 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
                                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                               max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
                                               compressed_kv=compressed_kv, compress_ratio=compress_ratio,
-                                              topk_indices=topk_indices, kv_start=kv_start, positions=positions)
+                                              topk_indices=topk_indices, kv_start=kv_start, positions=positions,
+                                              cu_seqlens_compressed=cu_seqlens_compressed)
 
 
 def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax_scale: float | None = None,

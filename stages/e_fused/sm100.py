@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options
+from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
 from dsv4_attention.common.layouts import seq_major
 from dsv4_attention.common.sm100_kv import GATHER4_ROWS, block_rows_layout, gather_view, topk_rows
 from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
@@ -82,13 +82,24 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
                                                  (plan.tile_n, plan.d_block), gmem_coord_tensor=gI)
         return atom, view
 
-    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b):
+    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b, c_row0):
         if not self.has_topk:
-            return super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b)
+            return super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
         # top-k: the gather view's (tile_n, d_block) boxes along the columns (kv head hk's blocks), and the
-        # first 2D row of request b (rows are (batch, entry) pairs: b * entries + entry)
+        # first 2D row of the request (rows are (batch, entry) pairs: b * entries + entry; varlen: cu_c[b])
         plan = self.plan
-        return cute.local_tile(mC, (plan.tile_n, plan.d_block), (0, None)), hk * plan.blocks, b * mC.shape[0]
+        return cute.local_tile(mC, (plan.tile_n, plan.d_block), (0, None)), hk * plan.blocks, c_row0
+
+    def request_entries(self, request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
+        if cutlass.const_expr(not (self.varlen and self.has_compressed)):
+            return super().request_entries(request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
+        # top-k: the gather view stays whole (its rows are addressed from c_row0); dense: offset like K
+        view = None if cutlass.const_expr(self.has_topk) else mC
+        offset, _, n_compressed, topk, positions, c_row0 = varlen_entries(request, view, None, mTopk, mPositions,
+                                                                          mCuSeqlensQ, mCuSeqlensC)
+        if cutlass.const_expr(self.has_topk):  # masked positions gather row c_row0: kept in the tensor
+            return mC, n_compressed, cutlass.min(c_row0, cutlass.max(mC.shape[0] - 1, 0)), topk, positions
+        return offset, n_compressed, c_row0, topk, positions
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's

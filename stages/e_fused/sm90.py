@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options
+from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
@@ -69,6 +69,11 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
                          window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start,
                          positions)
+
+    def request_entries(self, request, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
+        if cutlass.const_expr(not (self.varlen and self.has_compressed)):
+            return super().request_entries(request, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
+        return varlen_entries(request, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)[:5]
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
