@@ -887,8 +887,13 @@ def test_seams():
     assert e.has_compressed and e.masks_inner_tiles() and not e.may_hide_rows()
     with pytest.raises(ValueError, match="K = V"):
         make_kernel(128, has_compressed=True)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        make_kernel(128, kv_shared=True, varlen=True, has_compressed=True)
+    assert make_kernel(128, kv_shared=True, varlen=True, has_compressed=True).varlen  # packed entries
+    with pytest.raises(ValueError, match="index mode takes flat"):
+        make_kernel(512, kv_shared=True, pack_group=128, varlen=True, has_compressed=True, has_topk=True,
+                    index_mode=True)
+    with pytest.raises(ValueError, match="no meaning in index mode"):
+        make_kernel(512, kv_shared=True, pack_group=128, has_compressed=True, has_topk=True, index_mode=True,
+                    has_positions=True)
 
 
 # ---------------------------------------------------------------------------------------
