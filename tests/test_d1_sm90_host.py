@@ -47,6 +47,8 @@ from dsv4_attention.stages.d1_smem_p.sm90 import SUPPORTED_HEAD_DIMS, FlashAtten
 pytestmark = [pytest.mark.stage_d1, pytest.mark.proof, pytest.mark.arch("sm90")]
 
 SPLIT = [d for d in SUPPORTED_HEAD_DIMS if d >= 320]
+#: the seesaw's head dims: split, with O halves of whole 64-column chunks
+SEESAW = [d for d in SPLIT if d % 128 == 0]
 ROWS = [d for d in SUPPORTED_HEAD_DIMS if d < 320]
 
 
@@ -259,13 +261,14 @@ def seesaw_half_readers(k: FlashAttentionD1Sm90, pv_chunks: dict) -> tuple:
                  for p in (0, 1))
 
 
-@pytest.mark.parametrize("head_dim", SPLIT)
+@pytest.mark.parametrize("head_dim", SEESAW)
 def test_seesaw_ring_halves_count_every_reader(head_dim):
     """The seesaw's ring frees each tile in two halves (chunks below c_1 / 64, the rest), each
     mbarrier counting one arrival per warp that reads that half. The counts the kernel compiles
     in (``seesaw_halves``) must equal the readers its own V views imply, or a slot is refilled
     under a PV still reading it (count too low) or never freed (too high). The leader's PV never
-    reads half 1 except where the halves overlap (320, 448), the follower's never reads half 0."""
+    reads half 1, the follower's never half 0 (where they would overlap, 320 and 448, the kernels
+    keep the lock-step split: ``test_seesaw_only_where_the_halves_are_whole_chunks``)."""
     k = kernel_for(head_dim)
     assert k.seesaw and k.slots % 2 == 0  # slot parity = the warpgroup whose S tile it holds
     chunks = seesaw_pv_chunks(k)
@@ -275,6 +278,13 @@ def test_seesaw_ring_halves_count_every_reader(head_dim):
     # negative control: PVs that read every column (no split) need 8 warps on every half
     every = {wg: list(range(head_dim // 64)) for wg in (0, 1)}
     assert seesaw_half_readers(k, every) != k.seesaw_halves()
+
+
+def test_seesaw_only_where_the_halves_are_whole_chunks():
+    """The seesaw runs at 384 and 512 (K = V); at 320 and 448 the O halves share a chunk, the
+    half-tile load order then deadlocks (seen on the H100), so those keep the lock-step split."""
+    for head_dim in SPLIT:
+        assert kernel_for(head_dim).seesaw == (head_dim in SEESAW) and SEESAW == [384, 512]
 
 
 def test_halved_ring_loads_one_half_at_a_time():

@@ -61,11 +61,18 @@ def run_tests(stages, which: str, log, files=("tests",)) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         res = pathlib.Path(tmp) / "results.json"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *select,
-               f"--results-json={res}", *files]
+               "--durations=20", f"--results-json={res}", *files]
         print("+", " ".join(cmd), flush=True)
-        p = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        log.write(p.stdout)
-        print(p.stdout[-6000:], flush=True)
+        # streamed into the log line by line: a call cut off by the device's time limit still shows
+        # how far it got and what was slow
+        p = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        tail = []
+        for line in p.stdout:
+            log.write(line)
+            log.flush()
+            tail = (tail + [line])[-200:]
+        p.wait()
+        print("".join(tail)[-6000:], flush=True)
         summary = json.loads(res.read_text()) if res.exists() else {"tests": {}, "errors": {}}
     summary["pytest_exit"] = p.returncode
     return summary

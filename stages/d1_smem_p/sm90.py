@@ -187,9 +187,13 @@ class FlashAttentionD1Sm90:
         self.head_dim = head_dim
         self.kv_shared = bool(kv_shared)
         self.split = head_dim >= SPLIT_FROM
-        # K = V at split head dims: the seesaw schedule (each warpgroup a whole S tile of alternate
-        # KV tiles); K != V keeps the lock-step split (one K and one V slot is all that fits)
-        self.seesaw = self.split and self.kv_shared
+        # K = V at split head dims whose O halves are whole chunks (384, 512): the seesaw schedule
+        # (each warpgroup a whole S tile of alternate KV tiles). Where the halves overlap (320, 448:
+        # warpgroup 0's PV reads a chunk of half 1) the half-tile load order waits on a PV that waits
+        # on a later load: those kernels hung on the H100 at >= 3 KV tiles, so they keep the
+        # lock-step split, as K != V does (one K and one V slot is all that fits)
+        width, c1 = split_columns(head_dim) if self.split else (0, 0)
+        self.seesaw = self.split and self.kv_shared and c1 == width
         if self.split:
             if p_in_smem is False:
                 raise ValueError(f"head_dim {head_dim}: two warpgroups share P, so P must go through SMEM")
