@@ -97,7 +97,8 @@ SEESAW_CASES = {
 @pytest.mark.parametrize("case", list(SEESAW_CASES))
 def test_seesaw_pairs_and_tail(arch, head_dim, case, record_errors):
     """K = V at head dims 384 and 512 runs the seesaw (stages/d1_smem_p/sm90.py; 320 and 448 the
-    lock-step split, which the same cases check). One key scores ~+20 (scaled) for every query in the tile the case names: in a follower's tile the follower's max
+    lock-step split, which the same cases check). One key scores ~+20 (scaled) for every query in
+    the tile the case names: in a follower's tile the follower's max
     exceeds the leader's, so the leader's P and O must be rescaled by r_b = exp2(m_a - m_b) before
     the follower reads P_a; in the leader's tile the follower must take the leader's max as its
     floor; in the tail the follower only adopts the leader's max. Odd tile counts (3, 5) and
