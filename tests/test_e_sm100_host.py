@@ -588,6 +588,22 @@ class GatherRowsNotClamped(FlashAttentionESm100):
         return rows
 
 
+def gather_recorder(kernel):
+    """A jit helper (closing over ``kernel``) that records what the TMA warp's ``gather_rows``
+    gives a span: info[0] = its compressed tile count, out[tile, r] = the 2D row of box row r of
+    compressed tile ``tile`` (first row ``row0``)."""
+
+    @cute.jit
+    def record(span, row0, out: cute.Tensor, info: cute.Tensor):
+        info[0] = span.n_cmp
+        for tile in cutlass.range(span.n_cmp, unroll=1):
+            got = kernel.gather_rows(span, tile, row0)
+            for r in cutlass.range_constexpr(span.tile_n):
+                out[tile, r] = got[r]
+
+    return record
+
+
 def gathered_rows(head_dim: int, options: dict, case: dict, cls=FlashAttentionESm100):
     """Run the TMA warp's ``gather_rows`` on the CPU for every compressed tile of every Q tile:
     {(m_blk, tile): [2D row of box row r]} and what the lists say: row0 + idx[tile T + r] where
@@ -599,6 +615,7 @@ def gathered_rows(head_dim: int, options: dict, case: dict, cls=FlashAttentionES
     from dsv4_attention.common.jit import as_cute
 
     kernel = make_kernel(head_dim, cls=cls, **options)
+    record = gather_recorder(kernel)
     tile_n, g = kernel.plan.tile_n, kernel.pack_group
     sq, sk, ratio, entries, k = case["seqlen_q"], case["seqlen_k"], case["ratio"], case["entries"], case["k"]
     max_tiles = 8
@@ -607,11 +624,7 @@ def gathered_rows(head_dim: int, options: dict, case: dict, cls=FlashAttentionES
     def host(out: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32, rows: Int32, seqlen_k: Int32,
              ratio: Int32, n_compressed: Int32, row0: Int32):
         span = kernel.kv_span(m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk)
-        info[0] = span.n_cmp
-        for tile in cutlass.range(span.n_cmp, unroll=1):
-            got = kernel.gather_rows(span, tile, row0)
-            for r in cutlass.range_constexpr(tile_n):
-                out[tile, r] = got[r]
+        record(span, row0, out, info)
 
     topk = topk_lists(sq, k, entries, case.get("seed", 0))
     out, info = torch.zeros(max_tiles, tile_n, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
@@ -683,6 +696,7 @@ def varlen_gathered_rows(case: dict, cls=FlashAttentionESm100):
     from dsv4_attention.common.jit import as_cute
 
     kernel = make_kernel(512, cls=cls, **dict(TOPK_512, varlen=True))
+    record = gather_recorder(kernel)
     tile_n, g = kernel.plan.tile_n, kernel.pack_group
     q_lens, k_lens, counts, k, ratio = case["q_lens"], case["k_lens"], case["entries"], case["k"], case["ratio"]
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
@@ -697,11 +711,7 @@ def varlen_gathered_rows(case: dict, cls=FlashAttentionESm100):
         # rows_2d: the gather view's (entries, columns) extent (what the kernel's atom view spans)
         _, n_compressed, c_row0, topk_r, _ = kernel.request_entries(request, 0, rows_2d, topk, None, cu_q, cu_c)
         span = kernel.kv_span(m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk_r)
-        info[0] = span.n_cmp
-        for tile in cutlass.range(span.n_cmp, unroll=1):
-            got = kernel.gather_rows(span, tile, c_row0)
-            for r in cutlass.range_constexpr(tile_n):
-                out[tile, r] = got[r]
+        record(span, c_row0, out, info)
 
     out, info = torch.zeros(max_tiles, tile_n, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     rows_2d = torch.zeros(int(cu_c[-1]), 1, dtype=torch.int32)
