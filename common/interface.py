@@ -217,7 +217,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     if learnable_sink is not None:
         options["has_sink"] = True
 
-    def prepare(arch, q, k):
+    def prepare(arch, q, k, compressed_checked=False):
         check_kv_start(kv_start, k.shape[1])
         if kv_start and varlen:
             raise ValueError("kv_start with cu_seqlens is not supported: pass batched tensors")
@@ -234,7 +234,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         if compressed:
             if topk_indices is not None and compressed_kv is None:
                 raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
-            check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
+            if not compressed_checked:  # varlen checks them first: its entry offsets need the ratio
+                check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
             if topk_indices is not None:
                 check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch,
                            entry_limits=entry_limits[0])
@@ -297,7 +298,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                                                         compressed_kv.shape[1], q.device)
             if topk_indices is not None:
                 entry_limits[0] = varlen_entry_limits(cu_compressed[0], cu_seqlens_q, q.shape[0])
-        return {**prepare(arch, q4, k4), "varlen": True}
+        return {**prepare(arch, q4, k4, compressed_checked=True), "varlen": True}
 
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if lse_out is None else lse_out

@@ -428,7 +428,7 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
                                               (7, 300, 4, 400, 128, 1000)),
                   index_mode=False, expect_index=None):
     """Every way "the masks keep exactly the visible listed entries (and the window), each once, and
-    the producer gathers the listed row where visible, row 0 elsewhere" breaks. Index mode: the
+    the producer gathers the listed row where visible, nothing (-1: zero-filled) elsewhere" breaks. Index mode: the
     lists are the only keys and every listed row (0 <= idx < entries) is visible."""
     from cutlass.cute.runtime import from_dlpack
 
@@ -476,12 +476,12 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
             if n_cmp != max(-(-k // tile_n), 1) or set(kept) != want or twice or (index_mode and n_tiles != n_cmp):
                 bad.append(f"{name} sq{sq} sk{sk} r{ratio} k{k} m{m}: n_cmp {n_cmp} extra "
                            f"{sorted(set(kept) - want, key=str)[:3]} missing {sorted(want - set(kept), key=str)[:3]}")
-            # the producer's rows: list entry where visible, else row 0 (finite, masked)
+            # the producer's rows: list entry where visible, else -1 (zero-filled, masked)
             for n in range(n_cmp):
                 for r in range(tile_n):
                     p = n * tile_n + r
                     j = int(idx[token, p]) if p < k else -1
-                    want_row = j if 0 <= j < count else 0
+                    want_row = j if 0 <= j < count else -1
                     if int(rows_out[n, r]) != want_row:
                         bad.append(f"{name} m{m} tile {n} row {r}: gathers {int(rows_out[n, r])}, want {want_row}")
                         break

@@ -160,6 +160,31 @@ class SeesawOperands:
     tScS: cute.Tensor  # (row, key) of this thread's S values
 
 
+@dataclasses.dataclass
+class ConsumerOperands:
+    """What both consumer schedules (lock step, seesaw) take from the kernel: the MMAs, Q's
+    barrier, the SMEM views, the output's views and the CTA's coordinates (built once per CTA)."""
+    qk_mma: cute.TiledMma
+    pv_mma: cute.TiledMma
+    q_bar: cute.Pointer
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sVt: cute.Tensor
+    sP: cute.Tensor
+    row_stats: cute.Tensor  # (row, warpgroup, max|sum) fp32
+    tma_atom_o: cute.CopyAtom
+    gO: cute.Tensor  # O's tiles through TMA
+    gO_mem: cute.Tensor  # the same tiles in memory (rows past the end: per-row stores)
+    mLSE: cute.Tensor
+    mSink: cute.Tensor | None
+    scale_log2: cutlass.Float32
+    m_block: cutlass.Int32
+    head: cutlass.Int32
+    batch: cutlass.Int32
+    seqlen_q: cutlass.Int32
+    span: KvSpan
+
+
 def smem_buffer(dtype, elems: int, used: bool):
     """A shared-storage field: 1 KiB-aligned ``elems`` values, or 16 bytes where this
     configuration does not use the buffer."""
@@ -531,18 +556,12 @@ class FlashAttentionD1Sm90:
                     )
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
+                c = ConsumerOperands(qk_mma, pv_mma, q_bar, sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE,
+                                     mSink, scale_log2, m_block, head, b, n_rows, span)
                 if cutlass.const_expr(self.seesaw):
-                    self.consume_seesaw(
-                        qk_mma, pv_mma, pv_own_mma, q_bar, pipeline_k, handoffs, n_blocks,
-                        sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE, scale_log2,
-                        m_block, head, b, n_rows, span, mSink,
-                    )
+                    self.consume_seesaw(c, pv_own_mma, pipeline_k, handoffs, n_blocks)
                 else:
-                    self.consume(
-                        qk_mma, pv_mma, q_bar, pipeline_k, pipeline_v, n_blocks,
-                        sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE, scale_log2,
-                        m_block, head, b, n_rows, span, mSink,
-                    )
+                    self.consume(c, pipeline_k, pipeline_v, n_blocks)
 
     @cute.jit
     def init_ring(self, ring: KvChunkRing, warp_idx: cutlass.Int32):
@@ -646,41 +665,18 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def consume(
-        self,
-        qk_mma: cute.TiledMma,
-        pv_mma: cute.TiledMma,
-        q_bar: cute.Pointer,
-        pipeline_k,
-        pipeline_v,
-        n_blocks: cutlass.Int32,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sVt: cute.Tensor,
-        sP: cute.Tensor,
-        row_stats: cute.Tensor,
-        tma_atom_o: cute.CopyAtom,
-        gO: cute.Tensor,
-        gO_mem: cute.Tensor,
-        mLSE: cute.Tensor,
-        scale_log2: cutlass.Float32,
-        m_block: cutlass.Int32,
-        head: cutlass.Int32,
-        batch: cutlass.Int32,
-        seqlen_q: cutlass.Int32,
-        span: KvSpan,
-        mSink: cute.Tensor | None,
-    ):
+    def consume(self, c: ConsumerOperands, pipeline_k, pipeline_v, n_blocks: cutlass.Int32):
+        qk_mma, pv_mma, span, m_block = c.qk_mma, c.pv_mma, c.span, c.m_block
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        views = self.warpgroup_views(wg, tidx, qk_mma, pv_mma, sQ, sK, sVt, sP)
+        views = self.warpgroup_views(wg, tidx, qk_mma, pv_mma, c.sQ, c.sK, c.sVt, c.sP)
         tSrQ, tSrK, tOrV, tOrP_smem, tPsP, tScS, thr_qk, thr_pv = views
 
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.qk_rows(), self.wg_keys)))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.qk_rows(), self.o_width)))
         r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # P, 16-bit, laid out like S
         tOrP = as_a_operand(r_p)
-        softmax = OnlineSoftmax(acc_s.layout, scale_log2, may_be_empty=self.may_hide_rows())
+        softmax = OnlineSoftmax(acc_s.layout, c.scale_log2, may_be_empty=self.may_hide_rows())
         o_scale = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
         # split: this thread's rows within the 64 shared rows, and whether it writes them
         stat_rows = acc_rows_view(tScS)
@@ -693,7 +689,7 @@ class FlashAttentionD1Sm90:
 
         # ---- first tile (n_blocks - 1, holds the last key) ---------------------------
         t = cutlass.Int32(0)  # K = V: tile use of the ring (tile n_blocks - 1 - t)
-        cute.arch.mbarrier_wait(q_bar, 0)
+        cute.arch.mbarrier_wait(c.q_bar, 0)
         if cutlass.const_expr(self.kv_shared):
             pipeline_k.gemm_qk(t, qk_mma, acc_s, tSrQ, tSrK[None, None, None, 0])
         else:
@@ -703,7 +699,7 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(not self.kv_shared):
             pipeline_k.consumer_release(state)
         self.mask_s(span, acc_s, tScS, n_blocks - 1, m_block * self.tile_m, first=True)
-        softmax.update(acc_s, is_first=True, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg))
+        softmax.update(acc_s, is_first=True, tile_max=self.tile_max(softmax, acc_s, stat_rows, c.row_stats, wg))
         self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
         acc_o.fill(0.0)
         o_scale.fill(1.0)
@@ -734,7 +730,7 @@ class FlashAttentionD1Sm90:
                 pipeline_k.consumer_release(state)
             self.mask_s(span, acc_s, tScS, n_blocks - 2 - i, m_block * self.tile_m, first=False)
             row_scale = softmax.update(
-                acc_s, is_first=False, tile_max=self.tile_max(softmax, acc_s, stat_rows, row_stats, wg)
+                acc_s, is_first=False, tile_max=self.tile_max(softmax, acc_s, stat_rows, c.row_stats, wg)
             )
             warpgroup.wait_group(0)  # PV(n + 1) complete: P, O and the V slot are free
             if cutlass.const_expr(self.kv_shared):
@@ -761,71 +757,47 @@ class FlashAttentionD1Sm90:
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(state)
 
-        self.epilogue(acc_o, softmax, stat_rows, row_stats, tScS, sQ, thr_pv, tma_atom_o, gO, gO_mem, mLSE, mSink,
-                      m_block, head, batch, seqlen_q, wg, tidx)
+        self.epilogue(c, acc_o, softmax, stat_rows, tScS, thr_pv, wg, tidx)
 
     # -------------------------------------------------------------------------------
     # Consumers, seesaw (K = V, head dims >= 320): warpgroup 0 leads, 1 follows
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def consume_seesaw(
-        self,
-        qk_mma: cute.TiledMma,
-        pv_mma: cute.TiledMma,
-        pv_own_mma: cute.TiledMma,
-        q_bar: cute.Pointer,
-        ring: KvChunkRing,
-        handoffs: list,  # [leader's max, follower's max and P, leader's P]
-        n_blocks: cutlass.Int32,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sVt: cute.Tensor,
-        sP: cute.Tensor,
-        row_stats: cute.Tensor,
-        tma_atom_o: cute.CopyAtom,
-        gO: cute.Tensor,
-        gO_mem: cute.Tensor,
-        mLSE: cute.Tensor,
-        scale_log2: cutlass.Float32,
-        m_block: cutlass.Int32,
-        head: cutlass.Int32,
-        batch: cutlass.Int32,
-        seqlen_q: cutlass.Int32,
-        span: KvSpan,
-        mSink: cute.Tensor | None,
-    ):
+    def consume_seesaw(self, c: ConsumerOperands, pv_own_mma: cute.TiledMma, ring: KvChunkRing, handoffs: list,
+                       n_blocks: cutlass.Int32):
         """Pairs of KV tiles (a, b) = visits (2k, 2k + 1): the leader computes S_a, the follower
         S_b, each over the whole head dim, and each adds both tiles' P V to its O columns. See
         ``seesaw_lead`` / ``seesaw_follow`` for one pair; an odd tile count ends with a pair
-        that has no b."""
+        that has no b. ``handoffs``: [leader's max, follower's max and P, leader's P]."""
+        qk_mma, pv_mma, span, row_stats = c.qk_mma, c.pv_mma, c.span, c.row_stats
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         sub = tidx % THREADS_PER_WARPGROUP
         thr_qk = qk_mma.get_slice(sub)
         thr_pv = pv_mma.get_slice(sub)
         wg_qk, wg_pv, wg_own = qk_mma.get_slice(0), pv_mma.get_slice(0), pv_own_mma.get_slice(0)
-        sVt_w = self.v_columns(sVt, wg)
+        sVt_w = self.v_columns(c.sVt, wg)
         ops = SeesawOperands(
-            tSrQ=qk_mma.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0],  # (MMA, 1, d/16)
-            tSrK=qk_mma.make_fragment_B(wg_qk.partition_B(sK)),  # the whole tile: (MMA, 1, d/16, slots)
+            tSrQ=qk_mma.make_fragment_A(wg_qk.partition_A(c.sQ))[None, None, None, 0],  # (MMA, 1, d/16)
+            tSrK=qk_mma.make_fragment_B(wg_qk.partition_B(c.sK)),  # the whole tile: (MMA, 1, d/16, slots)
             tOrV=pv_mma.make_fragment_B(wg_pv.partition_B(sVt_w)),  # this warpgroup's V columns
             tOrV_own=pv_own_mma.make_fragment_B(wg_own.partition_B(sVt_w)),
-            tOrP_smem=pv_mma.make_fragment_A(wg_pv.partition_A(sP)),  # (MMA, 1, keys/16, 2 buffers)
-            tPsP=self.p_store_view(sP, wg, thr_qk),
+            tOrP_smem=pv_mma.make_fragment_A(wg_pv.partition_A(c.sP)),  # (MMA, 1, keys/16, 2 buffers)
+            tPsP=self.p_store_view(c.sP, wg, thr_qk),
             tScS=self.s_coords(wg, thr_qk),
         )
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
         r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # own P, 16-bit: the RS wgmma's A
-        softmax = OnlineSoftmax(acc_s.layout, scale_log2, may_be_empty=self.may_hide_rows())
+        softmax = OnlineSoftmax(acc_s.layout, c.scale_log2, may_be_empty=self.may_hide_rows())
         softmax.reset()
         acc_o.fill(0.0)
         stat_rows = acc_rows_view(ops.tScS)
         mmas = (qk_mma, pv_mma, pv_own_mma)
-        first_row = m_block * self.tile_m
+        first_row = c.m_block * self.tile_m
 
-        cute.arch.mbarrier_wait(q_bar, 0)
+        cute.arch.mbarrier_wait(c.q_bar, 0)
         n_pairs = n_blocks // 2
         if wg == 0:
             for k in cutlass.range(n_pairs, unroll=1):
@@ -844,8 +816,7 @@ class FlashAttentionD1Sm90:
                                    row_stats, span, n_blocks, first_row)
 
         # both warpgroups hold O at the same max; the row sums meet in the epilogue
-        self.epilogue(acc_o, softmax, stat_rows, row_stats, ops.tScS, sQ, thr_pv, tma_atom_o, gO, gO_mem, mLSE, mSink,
-                      m_block, head, batch, seqlen_q, wg, tidx)
+        self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, wg, tidx)
 
     @cute.jit
     def seesaw_lead(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
@@ -974,23 +945,23 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def epilogue(self, acc_o, softmax: OnlineSoftmax, stat_rows, row_stats, tScS, sQ, thr_pv, tma_atom_o, gO, gO_mem,
-                 mLSE, mSink, m_block, head, batch, seqlen_q, wg, tidx):
+    def epilogue(self, c: ConsumerOperands, acc_o, softmax: OnlineSoftmax, stat_rows, tScS, thr_pv, wg, tidx):
         """[split, seesaw: the row sums of the two warpgroups added through SMEM]; O /= l (and the
         sink's seam); O over sQ, one TMA store; LSE (split, seesaw: warpgroup 0's copy, both
         hold the same rows)."""
         total = None
         if cutlass.const_expr(self.split):
-            total = self.exchange_sums(softmax, stat_rows, row_stats, wg)
+            total = self.exchange_sums(softmax, stat_rows, c.row_stats, wg)
         inv_sum = softmax.finalize(total)
-        self.row_scale(inv_sum, softmax.lse, mSink, tScS, m_block, head)
+        self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
         scale_rows(acc_o, inv_sum)
-        self.store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, seqlen_q - m_block * self.tile_m)
+        first_row = c.m_block * self.tile_m
+        self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx, c.seqlen_q - first_row)
         if cutlass.const_expr(self.split):
             if wg == 0:
-                store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
+                store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
         else:
-            store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
+            store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
 
     def make_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
         """(QK, PV) tiled MMAs: one warpgroup's (split) or all warpgroups stacked along M.

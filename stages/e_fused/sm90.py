@@ -30,11 +30,12 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
+from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit, l2_evict_last_policy
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
 
-GATHER_BYTES = 16  # one cp.async: 8 bf16 columns of a row
+GATHER_BYTES = ROW_UNIT_BYTES  # one cp.async: 8 bf16 columns of a row
 UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte row
 
 
@@ -107,12 +108,12 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
     @cute.jit
     def gather_source_row(self, span, n, r):
         """The compressed row that tile row r of compressed tile n holds: the entry at list position
-        n T + r where it is a visible entry, else row 0 (masked; any finite row would do)."""
+        n T + r where it is a visible entry, else -1 (not read: the row is zero-filled and masked)."""
         pos = n * self.tile_n + r
         j = cutlass.Int32(-1)
         if pos < span.k:
             j = span.idx_row[pos]
-        return j if (j >= 0) & (j < span.count) else cutlass.Int32(0)
+        return j if (j >= 0) & (j < span.count) else cutlass.Int32(-1)
 
     def list_copy_views(self, span, n, c):
         """(src, dst): entry c of compressed tile n's list, one int32 of the token's list in global
@@ -135,16 +136,26 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         Threads 0 .. T-1 also copy the tile's T list entries to the slot's column of the span's SMEM
         lists before chunk 0's arrival, so chunk 0's barrier covers them: the consumers' masks read
         them there. The slot is free again only after the PV GEMM that follows the mask.
-        A position that is not a visible entry (-1, past the list, not yet visible) copies row 0:
-        its score is masked, and a finite V row times P = 0 adds exactly 0."""
+        A position that is not a visible entry (-1, past the list, not yet visible) is zero-filled
+        without a read: its score is masked, and a zero V row times P = 0 adds exactly 0. Each copy
+        carries an L2 256-byte prefetch and an evict-last policy (common/sm90_gather.py)."""
         s = t % self.slots
         tidx = cute.arch.thread_idx()[0]  # 0 .. 127: the producer warpgroup
         unit = tidx % UNITS
         passes = self.tile_n * UNITS // THREADS_PER_WARPGROUP
-        # the rows' list entries are read before the wait for the slot: their latency hides behind it
-        src_rows = cute.make_rmem_tensor(passes, cutlass.Int32)
+        elem = self.dtype.width // 8
+        # the rows' list entries are read before the wait for the slot: their latency hides behind
+        # it; each kept as the 64-bit address of this thread's unit of the row, and its byte count
+        # (16, or 0: a position that is not a visible entry is zero-filled, not read)
+        g_base = mC_hb.iterator.toint() + unit * GATHER_BYTES
+        row_stride = cutlass.Int64(mC_hb.stride[0] * elem)
+        src_addr = cute.make_rmem_tensor(passes, cutlass.Int64)
+        src_bytes = cute.make_rmem_tensor(passes, cutlass.Int32)
         for p in cutlass.range_constexpr(passes):
-            src_rows[p] = self.gather_source_row(span, n, self.gather_row(tidx, p))
+            j = self.gather_source_row(span, n, self.gather_row(tidx, p))
+            src_addr[p] = g_base + cutlass.Int64(cutlass.max(j, 0)) * row_stride
+            src_bytes[p] = cutlass.Int32(GATHER_BYTES) if j >= 0 else cutlass.Int32(0)
+        policy = l2_evict_last_policy()
         chunks = ring.chunk_range(half)
         ring.wait_load(t, half)
         if cutlass.const_expr(chunks.start == 0):  # the load that covers chunk 0 stages the list
@@ -152,20 +163,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
                 word = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
                                            num_bits_per_copy=32)
                 cute.copy(word, *self.list_copy_views(span, n, tidx))
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                   num_bits_per_copy=GATHER_BYTES * 8)
-        elem = self.dtype.width // 8
-        g_base = mC_hb.iterator.toint()
         s_base = ring_base.toint()
-        row_stride = mC_hb.stride[0]
         for c in cutlass.range_constexpr(chunks.start, chunks.stop):
             for p in cutlass.range_constexpr(passes):
-                r = self.gather_row(tidx, p)
-                g_off = (cutlass.Int64(src_rows[p]) * row_stride + c * CHUNK_COLS + unit * 8) * elem
-                s_off = gather_offset(r, unit, c, s, self.tile_n, self.head_dim) * elem
-                src = cute.make_tensor(cute.make_ptr(self.dtype, g_base + g_off, cute.AddressSpace.gmem,
-                                                     assumed_align=GATHER_BYTES), cute.make_layout(8))
-                dst = cute.make_tensor(cute.make_ptr(self.dtype, s_base + s_off, cute.AddressSpace.smem,
-                                                     assumed_align=GATHER_BYTES), cute.make_layout(8))
-                cute.copy(atom, src, dst)
+                s_off = gather_offset(self.gather_row(tidx, p), unit, c, s, self.tile_n, self.head_dim) * elem
+                cp_async_row_unit(s_base + s_off, src_addr[p] + c * CHUNK_COLS * elem, src_bytes[p], policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(ring.full + (s * ring.chunks + c))
