@@ -1,6 +1,6 @@
 """Run the test session and the benchmarks on a GPU and write the device report.
 
-    python -m tools.gpu_report --out DIR [--stage a ... | --stage calls] [--tests all|gpu|none] [--no-bench]
+    python -m tools.gpu_report --out DIR [--stage a ... | --stage calls | --stage decode] [--tests all|gpu|none] [--no-bench]
                                [--no-sanity] [--shard K/N]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
@@ -102,9 +102,10 @@ def main(argv=None) -> int:
     from tools import bench as bench_tool
 
     every = [s.id for s in stage_registry.STAGES]
-    # "calls" (host time per call, first call in a fresh process) is a bench of no stage
-    stage_ids = [s for s in (a.stage or every) if s not in ("calls", "cp")]
-    bench_ids = [s for s in (a.stage or ["calls", *every]) if s in bench_tool.BENCHES]
+    # "calls" (host time per call, first call in a fresh process) and "decode" (the fused kernel's
+    # decode, replayed from CUDA graphs) are benches of no stage
+    stage_ids = [s for s in (a.stage or every) if s not in ("calls", "decode", "cp")]
+    bench_ids = [s for s in (a.stage or ["calls", "decode", *every]) if s in bench_tool.BENCHES]
     gpus = torch.cuda.device_count()
     name = report.gpu_file_name(gpu_name()) + (f"x{gpus}" if gpus > 1 else "")  # h200x2: its own report
     out_dir = pathlib.Path(a.out)
