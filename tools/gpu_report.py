@@ -1,7 +1,7 @@
 """Run the test session and the benchmarks on a GPU and write the device report.
 
-    python -m tools.gpu_report --out DIR [--stage a ... | --stage calls | --stage decode] [--tests all|gpu|none] [--no-bench]
-                               [--no-sanity] [--shard K/N]
+    python -m tools.gpu_report --out DIR [--stage a ... | --stage calls | --stage decode]
+                               [--tests all|gpu|none] [--no-bench] [--no-sanity] [--shard K/N]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
 (sha256 of every file under stages/ and common/), test counts per stage and
