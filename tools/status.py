@@ -163,6 +163,8 @@ def _report_section(name: str, rep: dict) -> str:
                 + " | time ratio (ours / peer) | GB/s ours / peer |", "| --- " * (6 + len(peers)) + "|"]
         for r in rows:
             ratio = ", ".join(f"{v:.2f}x {k}" for k, v in r.get("time_ratio_vs", {}).items())
+            if r.get("graph_ms"):  # kernels alone, replayed from CUDA graphs (varlen rows)
+                ratio += "; graph-replayed ms: " + ", ".join(f"{k} {v}" for k, v in r["graph_ms"].items())
             gbps = (f"{r['ours_gbps']} / " + ", ".join(f"{v} {k}" for k, v in r.get("peer_gbps", {}).items())
                     if "ours_gbps" in r else "")
             out.append(f"| {r['stage']} | {r['case']} | {r.get('ours_ms', '')} | {r['ours_tflops']} | "
