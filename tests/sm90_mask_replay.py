@@ -1,0 +1,65 @@
+"""The sm90 consumer warpgroups' masking of one Q tile, replayed on the host (shared by the D4 and E
+host proofs): a DSL function, called while a host function for sm_90a is traced and then run on the
+CPU, that takes the kernel's own QK partition (``make_mmas``, ``s_coords``) and per-visit mask
+(``mask_s``: the first visit always, later ones where the span says a tile straddles an edge) over
+every consumer thread and every visit of a span, on accumulators of zeros. A value left at 0 is a
+(row, key) the kernel keeps, one at -inf a pair it hides."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
+
+#: visits a host run records (every case of the proofs visits fewer)
+MAX_VISITS = 24
+
+
+def values_per_thread(kernel) -> int:
+    """S values a consumer thread holds of a tile: the seesaw's warpgroup holds the whole tile,
+    the other layouts' threads share it."""
+    return kernel.tile_m * kernel.tile_n // (THREADS_PER_WARPGROUP if kernel.seesaw else kernel.consumer_threads)
+
+
+def mask_replayer(kernel, stage=None):
+    """A DSL function (called while a host function is traced) replaying every consumer thread's
+    masking of every visit of a span's tiles, as the kernel's consumer loop runs it (``mask_s``:
+    first visit, then the rest), on accumulators of zeros: out[thread, visit, value] (0 kept, -inf
+    hidden) and coords[thread, value] = (row, column) in the tile. The seesaw's visit it is
+    computed and masked by warpgroup it % 2 alone: the other's threads report the tile hidden.
+    ``stage(span, it)``, when given, runs before visit it: what the producer may have written to
+    SMEM by then."""
+
+    @cute.jit
+    def replay(qk_mma: cute.TiledMma, span, first_row: Int32, out: cute.Tensor, coords: cute.Tensor):
+        for tidx in cutlass.range(kernel.consumer_threads, unroll=1):
+            wg = tidx // THREADS_PER_WARPGROUP
+            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
+            tScS = kernel.s_coords(wg, thr)
+            acc = cute.make_rmem_tensor(tScS.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                coords[tidx, i, 0] = tScS[i][0]
+                coords[tidx, i, 1] = tScS[i][1]
+            acc.fill(0.0)
+            if cutlass.const_expr(stage is not None):
+                stage(span, 0)
+            kernel.mask_s(span, acc, tScS, span.n_tiles - 1, first_row, first=True)
+            if cutlass.const_expr(kernel.seesaw):
+                if wg != 0:
+                    acc.fill(-Float32.inf)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                out[tidx, 0, i] = acc[i]
+            for it in cutlass.range(1, cutlass.min(span.n_tiles, MAX_VISITS), unroll=1):
+                acc.fill(0.0)
+                if cutlass.const_expr(stage is not None):
+                    stage(span, it)
+                kernel.mask_s(span, acc, tScS, span.n_tiles - 1 - it, first_row, first=False)
+                if cutlass.const_expr(kernel.seesaw):
+                    if wg != it % 2:
+                        acc.fill(-Float32.inf)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    out[tidx, it, i] = acc[i]
+
+    return replay

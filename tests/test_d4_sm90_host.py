@@ -1,0 +1,174 @@
+"""Stage D4 on SM90, on the host (CPU, no GPU): the causal and window masks, run.
+
+The consumer warpgroups' masking of one Q tile is replayed with the kernel's own code
+(``tests/sm90_mask_replay.py``: the D4 kernel's ``kv_span``, ``make_mmas``, ``s_coords`` and
+``mask_s``), compiled for sm_90a and run on the CPU for every consumer thread and every visit.
+Tile n of a visit holds keys origin + n T .. origin + n T + T - 1 (what the producer's TMA box
+loads there: the span is cut from its first key). For the three consumer layouts (rows, one
+token a row; the lock-step split at hd 512, K != V, 8 heads a token; the seesaw at hd 512, K = V,
+DeepSeek-V4's 128 heads a token), the compile-time bounds (none, right only, left only, both)
+with several runtime windows, and problems with seqlen_q <, =, > seqlen_k and lengths that are
+not tile multiples, the kept (row, key) pairs of the real rows must be exactly the plain
+formula's (``kv_span.visible``, bottom-right aligned), each kept once.
+Negative controls the same checker rejects: a kernel that masks only the first tile it visits
+(a left window's edge then leaks into the later tiles), and a span aligned top-left (i' = i: it
+visits the wrong keys whenever seqlen_q != seqlen_k).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Int32
+from sm90_mask_replay import MAX_VISITS, mask_replayer, values_per_thread
+
+from dsv4_attention.common import kv_span
+
+pytestmark = [pytest.mark.arch("sm90"), pytest.mark.stage_d4, pytest.mark.proof]
+
+KERNELS = {  # name: (head_dim, options); the layout each must have is asserted in ``runner``
+    "rows-g1": (128, {"pack_group": 1, "kv_shared": False}),
+    "split-g8": (512, {"pack_group": 8, "kv_shared": False}),
+    "seesaw-g128": (512, {"pack_group": 128, "kv_shared": True}),
+}
+LAYOUT = {"rows-g1": (False, False), "split-g8": (True, False), "seesaw-g128": (True, True)}  # (split, seesaw)
+
+# (has_left, has_right) -> runtime (left, right) windows; None where the bound is absent
+WINDOWS = {
+    (False, False): [(None, None)],
+    (False, True): [(None, 0), (None, 3)],  # causal, and causal shifted right
+    (True, False): [(7, None), (127, None)],
+    (True, True): [(127, 0), (5, 3), (0, 0)],
+}
+BOUNDS = {"rows-g1": list(WINDOWS), "split-g8": [(False, True), (True, True)],
+          "seesaw-g128": [(False, True), (True, True)]}
+
+PROBLEMS = [(300, 300), (40, 700), (700, 200), (129, 1000), (5, 9), (64, 65)]  # (seqlen_q, seqlen_k)
+
+
+class TopLeftSpan(kv_span.KvSpan):
+    """Wrong on purpose: query token i sits at key position i (top-left), not i + seqlen_k - seqlen_q.
+    Its masks are the kernel's (bottom-right); only the keys it visits move."""
+
+    def token_position(self, token):
+        return token
+
+
+def kernel_class(wrong: str | None):
+    from dsv4_attention.stages.d4_causal_window.sm90 import FlashAttentionD4Sm90
+
+    if wrong is None:
+        return FlashAttentionD4Sm90
+    if wrong == "first_only":
+        class FirstOnly(FlashAttentionD4Sm90):
+            def masks_inner_tiles(self):
+                return False
+        return FirstOnly
+    if wrong == "top_left":
+        class TopLeft(FlashAttentionD4Sm90):
+            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0, positions=None):
+                return TopLeftSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
+                                   self.has_left, self.has_right)
+        return TopLeft
+    raise ValueError(wrong)
+
+
+@functools.cache
+def runner(name: str, has_left: bool, has_right: bool, wrong: str | None = None):
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+
+    head_dim, options = KERNELS[name]
+    kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, has_left=has_left,
+                                 has_right=has_right, **options)
+    assert (kernel.split, kernel.seesaw) == LAYOUT[name], f"{name} is not the layout it is named for"
+    replay = mask_replayer(kernel)
+
+    @cute.jit
+    def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, m_block: Int32, rows: Int32,
+             seqlen_k: Int32, left: Int32, right: Int32):
+        qk_mma, _ = kernel.make_mmas()
+        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, 0, 0, None)
+        info[0] = span.origin
+        info[1] = span.n_tiles
+        replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
+
+    vals = values_per_thread(kernel)
+    bufs = (torch.zeros(kernel.consumer_threads, MAX_VISITS, vals),
+            torch.zeros(kernel.consumer_threads, vals, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    with target_arch("sm90"):
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 5),
+                          options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    return kernel, fn, bufs
+
+
+def kept_pairs(name, bounds, wrong, m_block, seqlen_q, seqlen_k, left, right):
+    """({(packed row, key): times kept} over the real rows of Q tile m_block, the kernel)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    kernel, fn, bufs = runner(name, *bounds, wrong)
+    out, coords, info = (b.zero_() for b in bufs)
+    g, tile_n = kernel.pack_group, kernel.tile_n
+    fn(*[from_dlpack(b) for b in (out, coords, info)],
+       *[Int32(x) for x in (m_block, seqlen_q * g, seqlen_k, left or 0, right or 0)])
+    origin, n_tiles = info.tolist()
+    assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles)
+    assert bool(torch.all((out == 0) | (out == -float("inf")))), "a value neither kept nor -inf"
+    kept = {}
+    for it in range(n_tiles):
+        first = origin + (n_tiles - 1 - it) * tile_n  # visit it is tile n_tiles - 1 - it
+        t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
+        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
+            row, col = coords[t, v].tolist()
+            packed = m_block * kernel.tile_m + row
+            if packed // g < seqlen_q:
+                kept[(packed, first + col)] = kept.get((packed, first + col), 0) + 1
+    return kept, kernel
+
+
+def visible(kernel, m_block, seqlen_q, seqlen_k, left, right) -> set:
+    pairs = set()
+    for r in range(m_block * kernel.tile_m, (m_block + 1) * kernel.tile_m):
+        token = r // kernel.pack_group
+        if token < seqlen_q:
+            pairs |= {(r, j) for j in range(seqlen_k) if kv_span.visible(token, j, seqlen_q, seqlen_k, left, right)}
+    return pairs
+
+
+def failures(name, bounds, wrong=None, problems=PROBLEMS) -> list:
+    bad = []
+    g = KERNELS[name][1]["pack_group"]
+    kernel = runner(name, *bounds, wrong)[0]
+    for sq, sk in problems:
+        tiles = -(-sq * g // kernel.tile_m)
+        for left, right in WINDOWS[bounds]:
+            for m in sorted({0, 1, tiles // 2, tiles - 1} & set(range(tiles))):
+                kept, kernel = kept_pairs(name, bounds, wrong, m, sq, sk, left, right)
+                want = visible(kernel, m, sq, sk, left, right)
+                twice = [k for k, c in kept.items() if c != 1]
+                if set(kept) != want or twice:
+                    extra, missing = sorted(set(kept) - want)[:3], sorted(want - set(kept))[:3]
+                    bad.append(f"{name} bounds{bounds} sq{sq} sk{sk} window({left},{right}) m{m}: extra {extra} "
+                               f"missing {missing} twice {twice[:3]}")
+    return bad
+
+
+@pytest.mark.parametrize("name, bounds", [(n, b) for n in KERNELS for b in BOUNDS[n]],
+                         ids=lambda x: x if isinstance(x, str) else f"left{int(x[0])}-right{int(x[1])}")
+def test_kept_pairs_are_the_window(name, bounds):
+    assert failures(name, bounds) == []
+
+
+def test_checker_rejects_a_kernel_that_masks_only_the_first_tile():
+    # a (5, 3) window on 64-128 rows spans 2-3 tiles: the earliest tiles straddle the left edge
+    assert failures("rows-g1", (True, True), "first_only")
+
+
+def test_checker_rejects_a_span_aligned_top_left():
+    bad = failures("rows-g1", (False, True), "top_left")
+    assert bad and not any(f" sq{sq} sk{sq} " in b for b in bad for sq, _ in PROBLEMS)  # only where sq != sk
