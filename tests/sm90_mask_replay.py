@@ -17,6 +17,17 @@ from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 MAX_VISITS = 24
 
 
+def masking_first_tile_only(kernel_cls):
+    """Wrong on purpose (a negative control): ``kernel_cls`` masking only the first tile it visits,
+    as if no later tile could straddle an edge (a left window, compressed entries)."""
+
+    class FirstOnly(kernel_cls):
+        def masks_inner_tiles(self):
+            return False
+
+    return FirstOnly
+
+
 def values_per_thread(kernel) -> int:
     """S values a consumer thread holds of a tile: the seesaw's warpgroup holds the whole tile,
     the other layouts' threads share it."""

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, values_per_thread
+from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, values_per_thread
 
 from dsv4_attention.common import kv_span
 
@@ -63,10 +63,7 @@ def kernel_class(wrong: str | None):
     if wrong is None:
         return FlashAttentionD4Sm90
     if wrong == "first_only":
-        class FirstOnly(FlashAttentionD4Sm90):
-            def masks_inner_tiles(self):
-                return False
-        return FirstOnly
+        return masking_first_tile_only(FlashAttentionD4Sm90)
     if wrong == "top_left":
         class TopLeft(FlashAttentionD4Sm90):
             def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0, positions=None):

@@ -25,7 +25,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Float32, Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, values_per_thread
+from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, values_per_thread
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import FusedSpan, compressed_visible, compressed_visible_at
@@ -66,10 +66,7 @@ def kernel_class(wrong: str | None):
                 span.mask(acc_s, tScS, n, first_row)  # every visit: only the count is wrong
         return FloorT
     if wrong == "first_only":
-        class FirstOnly(FlashAttentionESm90):
-            def masks_inner_tiles(self):
-                return False
-        return FirstOnly
+        return masking_first_tile_only(FlashAttentionESm90)
     raise ValueError(wrong)
 
 
