@@ -17,6 +17,15 @@ from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 MAX_VISITS = 24
 
 
+def pair_mismatch(kept: dict, want: set) -> str | None:
+    """None where the kept pairs ({pair: times kept}) are exactly ``want``, each once; else what
+    differs (a few pairs of each kind)."""
+    twice = [p for p, c in kept.items() if c != 1]
+    if set(kept) == want and not twice:
+        return None
+    return f"extra {sorted(set(kept) - want)[:3]} missing {sorted(want - set(kept))[:3]} twice {twice[:3]}"
+
+
 def masking_first_tile_only(kernel_cls):
     """Wrong on purpose (a negative control): ``kernel_cls`` masking only the first tile it visits,
     as if no later tile could straddle an edge (a left window, compressed entries)."""

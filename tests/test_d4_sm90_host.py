@@ -23,7 +23,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, values_per_thread
+from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, pair_mismatch, values_per_thread
 
 from dsv4_attention.common import kv_span
 
@@ -147,11 +147,9 @@ def failures(name, bounds, wrong=None, problems=PROBLEMS) -> list:
             for m in sorted({0, 1, tiles // 2, tiles - 1} & set(range(tiles))):
                 kept, kernel = kept_pairs(name, bounds, wrong, m, sq, sk, left, right)
                 want = visible(kernel, m, sq, sk, left, right)
-                twice = [k for k, c in kept.items() if c != 1]
-                if set(kept) != want or twice:
-                    extra, missing = sorted(set(kept) - want)[:3], sorted(want - set(kept))[:3]
-                    bad.append(f"{name} bounds{bounds} sq{sq} sk{sk} window({left},{right}) m{m}: extra {extra} "
-                               f"missing {missing} twice {twice[:3]}")
+                wrong_pairs = pair_mismatch(kept, want)
+                if wrong_pairs:
+                    bad.append(f"{name} bounds{bounds} sq{sq} sk{sk} window({left},{right}) m{m}: {wrong_pairs}")
     return bad
 
 

@@ -25,7 +25,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Float32, Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, values_per_thread
+from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, pair_mismatch, values_per_thread
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import FusedSpan, compressed_visible, compressed_visible_at
@@ -175,11 +175,10 @@ def failures(name, window, wrong=None, problems=PROBLEMS, windows=((127, 0), (5,
             for m in sorted({0, 1, tiles // 2, tiles - 1} & set(range(tiles))):
                 kept, kernel = kept_pairs(name, window, wrong, m, sq, sk, left or 0, right or 0, ratio, n_c, kv_start)
                 want = visible(kernel, m, sq, sk, left, right, ratio, n_c, kv_start)
-                twice = [k for k, c in kept.items() if c != 1]
-                if set(kept) != want or twice:
-                    extra, missing = sorted(set(kept) - want)[:3], sorted(want - set(kept))[:3]
+                wrong_pairs = pair_mismatch(kept, want)
+                if wrong_pairs:
                     bad.append(f"{name} sq{sq} sk{sk} r{ratio} nc{n_c} start{kv_start} window({left},{right}) m{m}: "
-                               f"extra {extra} missing {missing} twice {twice[:3]}")
+                               f"{wrong_pairs}")
     return bad
 
 
