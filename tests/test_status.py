@@ -46,3 +46,22 @@ def test_session_parts_cover_every_test_file_once():
     parts = [shard_files(k, 3) for k in (1, 2, 3)]
     assert sorted(f for p in parts for f in p) == every
     assert all(parts)
+
+
+def test_ncu_stall_summary_attributes_samples(tmp_path):
+    """tools.ncu_stalls on a two-instruction source page: shares by reason and by instruction, the
+    spinning branch listed first with the try_wait before it (the barrier it waits on)."""
+    from tools import ncu_stalls
+
+    cols = ["Address", "Source", ncu_stalls.SAMPLES, "Instructions Executed", "stall_long_sb", "stall_barrier",
+            "stall_long_sb (Not Issued)"]
+    rows = [["Kernel Name", "k"], cols,
+            ["0x0", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x20], R2", "10", "64", "0", "10", "0"],
+            ["0x10", "@!P0 BRA 0x0", "30", "64", "30", "0", "30"]]
+    path = tmp_path / "src.csv"
+    path.write_text("\n".join(",".join(f'"{c}"' for c in r) for r in rows))
+    text = ncu_stalls.summary(str(path), 2).splitlines()
+    assert "samples 40" in text[1] and "long_sb 75.0, barrier 25.0" in text[2]
+    assert text[4].startswith("75.00%") and "BRA" in text[4] and "[long_sb 100%]" in text[4]
+    assert "after: SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x20]" in text[4]
+    assert text[5].startswith("25.00%") and "[barrier 100%]" in text[5]

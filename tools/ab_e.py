@@ -1,0 +1,40 @@
+"""Stage E's gather-bound cases in one process, for an A/B of two versions of the kernel code:
+index mode against FlashMLA (4 cases, ``bench.index_row``) and two CSA layers (``bench.topk_row``).
+
+    AB_LABEL=old python -m tools.ab_e out_old.json     # one process per version, caches off:
+    AB_LABEL=new python -m tools.ab_e out_new.json     # DSV4_ATTENTION_DISABLE_CACHE=1 CUTE_DSL_DISABLE_FILE_CACHING=1
+
+The versions alternate (old, new, old, new) on one warm GPU; FlashMLA's time in each process is
+the yardstick that shows how much the machine moved between them. The runs of 2026-11-25 are in
+``docs/results/experiments/ab_e_gather_h100.json`` (stage E's page: the profile and what was tried)."""
+
+import json
+import os
+import sys
+
+import torch
+
+from tools.bench import index_row, topk_row
+
+
+def main(path: str) -> None:
+    dev = torch.device("cuda")
+    rows = []
+    for h, k in ((64, 512), (128, 1024)):
+        for s_kv in (8192, 32768):
+            r = index_row(dev, h, k, s_kv)
+            rows.append({"case": r["case"], "ours_ms": r["ours_ms"], "flashmla_ms": r["peer_ms"].get("flashmla"),
+                         "diff": r.get("max_abs_diff_vs_flashmla")})
+            torch.cuda.empty_cache()
+    for s, k in ((8192, 1024), (32768, 512)):
+        r = topk_row(dev, s, k)
+        rows.append({"case": r["case"], "ours_ms": r["ours_ms"], "ours_tflops": r["ours_tflops"]})
+        torch.cuda.empty_cache()
+    out = {"label": os.environ.get("AB_LABEL"), "rows": rows}
+    print(json.dumps(out))
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
