@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Float32, Int32
 
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
@@ -24,6 +25,23 @@ def pair_mismatch(kept: dict, want: set) -> str | None:
     if set(kept) == want and not twice:
         return None
     return f"extra {sorted(set(kept) - want)[:3]} missing {sorted(want - set(kept))[:3]} twice {twice[:3]}"
+
+
+def kept_keys(out: torch.Tensor, coords: torch.Tensor, n_tiles: int, key_of) -> dict:
+    """{key: times kept} over the kept values (0) of a replay's visits 0 .. n_tiles - 1 (visit it
+    holds tile n_tiles - 1 - it): ``key_of(n, row, col)`` names the pair tile row ``row`` and
+    column ``col`` of tile n stand for, or None for a value not counted (a padding row)."""
+    assert bool(torch.all((out[:, :n_tiles] == 0) | (out[:, :n_tiles] == -float("inf")))), \
+        "a value neither kept nor -inf"
+    kept = {}
+    for it in range(n_tiles):
+        n = n_tiles - 1 - it
+        t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
+        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
+            key = key_of(n, *coords[t, v].tolist())
+            if key is not None:
+                kept[key] = kept.get(key, 0) + 1
+    return kept
 
 
 def masking_first_tile_only(kernel_cls):

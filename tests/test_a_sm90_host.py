@@ -8,13 +8,18 @@ register 4 j + 2 r + c of lane l in warp w of warpgroup g holds
 1. The kernel's tiled MMA (``make_tiled_mma``), partitioned as the kernel partitions it
    (``get_slice(tidx).partition_C``), gives every thread exactly those coordinates.
 2. The epilogue's ``store_tile`` is compiled into a host function for sm_90a and *run on the CPU*
-   for every thread of every tile of S [1, 1, seqlen_q, seqlen_k] (lengths that are not multiples
-   of 128; S padded by 3 columns): each thread's accumulator holds the tag of the element the PTX
-   formula gives it, and stores into its own NaN-filled copy of S. Each copy must hold exactly that
-   thread's in-bounds elements, each with its own tag; nothing in the padding or past seqlen_q.
-   Both store forms run: column pairs as one 8-byte store (even strides) and single stores (odd).
-Negative controls the same checker rejects: a store that swaps each column pair, and one whose
-column predicate is off by one (col <= seqlen_k).
+   for every thread of every tile of S [2, 2, seqlen_q, seqlen_k] at (head, batch) = (1, 1) and
+   (0, 1) (lengths that are not multiples of 128; S padded by 3 rows and 3 columns): each
+   thread's accumulator holds the tag of the element the PTX formula gives it, and stores into its
+   own NaN-filled copy of S. Each copy must hold exactly that thread's in-bounds elements of that
+   (batch, head), each with its own tag; nothing in the padding, past seqlen_q / seqlen_k or in
+   another head or batch. Both store forms run: column pairs as one 8-byte store (even strides)
+   and single stores (odd). The kernel builds the epilogue's coordinate tile (``cS``) and picks
+   the store form inline in ``kernel``; the host function restates those few lines (the
+   accumulator scaling before them is not replayed).
+Negative controls the same checker rejects: a store that swaps each column pair, one whose column
+or row predicate is off by one (col <= seqlen_k, row <= seqlen_q), and one into S[head, batch]
+instead of S[batch, head].
 """
 
 from __future__ import annotations
@@ -54,20 +59,20 @@ def kernel_class(wrong: str | None):
         @cute.jit
         def store_tile(self, acc, tScS, thr_mma, mS, head, batch, m_block, n_block, pair_stores):
             seqlen_q, seqlen_k = mS.shape[0], mS.shape[1]
+            if cutlass.const_expr(wrong == "head_batch_swapped"):
+                head, batch = batch, head
             gS = cute.local_tile(mS[None, None, head, batch], (TILE_M, TILE_N), (m_block, n_block))
             tSgS = thr_mma.partition_C(gS)
+            row_end = seqlen_q + 1 if wrong == "row_off_by_one" else seqlen_q  # Python: fixed per class
+            col_end = seqlen_k + 1 if wrong == "off_by_one" else seqlen_k
+            a, b = (1, 0) if wrong == "swapped_pair" else (0, 1)
             for p in cutlass.range_constexpr(cute.size(acc) // 2):
                 row, col = tScS[2 * p]
-                if row < seqlen_q:
-                    if cutlass.const_expr(wrong == "swapped_pair"):
-                        if col + 1 < seqlen_k:
-                            tSgS[2 * p] = acc[2 * p + 1]
-                            tSgS[2 * p + 1] = acc[2 * p]
-                    else:  # off by one: col <= seqlen_k
-                        if col <= seqlen_k:
-                            tSgS[2 * p] = acc[2 * p]
-                        if col + 1 <= seqlen_k:
-                            tSgS[2 * p + 1] = acc[2 * p + 1]
+                if row < row_end:
+                    if col < col_end:
+                        tSgS[2 * p] = acc[2 * p + a]
+                    if col + 1 < col_end:
+                        tSgS[2 * p + 1] = acc[2 * p + b]
 
     return Wrong
 
@@ -101,7 +106,8 @@ def store_runner(pair_stores: bool, wrong: str | None = None):
     kernel = kernel_class(wrong)(cutlass.BFloat16, 128)
 
     @cute.jit
-    def host(s_all: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32, n_block: Int32):
+    def host(s_all: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32, n_block: Int32, head: Int32,
+             batch: Int32):
         tiled_mma = make_tiled_mma(kernel.dtype)
         for tidx in cutlass.range(THREADS, unroll=1):
             thr_mma = tiled_mma.get_slice(tidx)
@@ -113,19 +119,21 @@ def store_runner(pair_stores: bool, wrong: str | None = None):
                 acc[i] = Float32(row * 4096 + col + 1)
             cS = cute.local_tile(cute.make_identity_tensor((seqlen_q, seqlen_k)), (TILE, TILE), (m_block, n_block))
             tScS = thr_mma.partition_C(cS)
-            # this thread's copy of S [1, 1, seqlen_q, seqlen_k] (rows padded), as (sq, sk, heads, batch)
+            # this thread's copy of S [batch, heads, seqlen_q, seqlen_k] (rows and columns padded),
+            # as the kernel sees it: (seqlen_q, seqlen_k, heads, batch)
             mine = cute.domain_offset((tidx, 0, 0, 0, 0), s_all)
             mS = scores_major(cute.make_tensor(mine.iterator, cute.make_layout(
-                (1, 1, seqlen_q, seqlen_k), stride=(s_all.stride[1], s_all.stride[2], s_all.stride[3], 1))))
+                (s_all.shape[1], s_all.shape[2], seqlen_q, seqlen_k),
+                stride=(s_all.stride[1], s_all.stride[2], s_all.stride[3], 1))))
             if cutlass.const_expr(pair_stores):  # the kernel's even-stride view (its epilogue's dispatch)
                 s0, s1, s2, s3 = mS.stride
                 mS = cute.make_tensor(mS.iterator, cute.make_layout(mS.shape, stride=(
                     cute.assume(s0, divby=2), s1, cute.assume(s2, divby=2), cute.assume(s3, divby=2))))
-            kernel.store_tile(acc, tScS, thr_mma, mS, 0, 0, m_block, n_block, pair_stores)
+            kernel.store_tile(acc, tScS, thr_mma, mS, head, batch, m_block, n_block, pair_stores)
 
-    example = torch.zeros(2, 1, 1, 4, 8 + PAD)
+    example = torch.zeros(2, 2, 2, 4 + PAD, 8 + PAD)
     with target_arch("sm90"):
-        fn = cute.compile(host, jit.as_cute(example), *([Int32(1)] * 4), options=f"--gpu-arch={GPU_ARCH['sm90']}")
+        fn = cute.compile(host, jit.as_cute(example), *([Int32(1)] * 6), options=f"--gpu-arch={GPU_ARCH['sm90']}")
     return fn
 
 
@@ -136,24 +144,25 @@ def store_mismatches(seqlen_q: int, seqlen_k: int, pair_stores: bool, wrong: str
     width = seqlen_k + PAD
     assert (width % 2 == 0) == pair_stores, "pair stores need even row strides"
     bad = []
-    for mb in range(-(-seqlen_q // TILE)):
-        for nb in range(-(-seqlen_k // TILE)):
-            s_all = torch.full((THREADS, 1, 1, seqlen_q, width), float("nan"))
-            fn(jit.as_cute(s_all), *[Int32(x) for x in (seqlen_q, seqlen_k, mb, nb)])
-            for t in range(THREADS):
-                want = torch.full((seqlen_q, width), float("nan"))
-                for i in range(64):
-                    row, col = ptx_coord(t, i)
-                    row, col = mb * TILE + row, nb * TILE + col
-                    if row < seqlen_q and col < seqlen_k:
-                        want[row, col] = tag(row, col)
-                got = s_all[t, 0, 0]
-                same = (got == want) | (got.isnan() & want.isnan())
-                if not bool(same.all()):
-                    r, c = torch.nonzero(~same)[0].tolist()
-                    bad.append(f"sq{seqlen_q} sk{seqlen_k} tile ({mb}, {nb}) thread {t}: S[{r}, {c}] = "
-                               f"{float(got[r, c])}, want {float(want[r, c])}")
-                    break
+    for head, batch in ((1, 1), (0, 1)):
+        for mb in range(-(-seqlen_q // TILE)):
+            for nb in range(-(-seqlen_k // TILE)):
+                s_all = torch.full((THREADS, 2, 2, seqlen_q + PAD, width), float("nan"))
+                fn(jit.as_cute(s_all), *[Int32(x) for x in (seqlen_q, seqlen_k, mb, nb, head, batch)])
+                for t in range(THREADS):
+                    want = torch.full((2, 2, seqlen_q + PAD, width), float("nan"))
+                    for i in range(64):
+                        row, col = ptx_coord(t, i)
+                        row, col = mb * TILE + row, nb * TILE + col
+                        if row < seqlen_q and col < seqlen_k:
+                            want[batch, head, row, col] = tag(row, col)
+                    got = s_all[t]
+                    same = (got == want) | (got.isnan() & want.isnan())
+                    if not bool(same.all()):
+                        at = tuple(torch.nonzero(~same)[0].tolist())
+                        bad.append(f"sq{seqlen_q} sk{seqlen_k} (h{head}, b{batch}) tile ({mb}, {nb}) thread {t}: "
+                                   f"S[b, h, i, j = {at}] = {float(got[at])}, want {float(want[at])}")
+                        break
     return bad[:5]
 
 
@@ -163,6 +172,6 @@ def test_every_value_lands_on_its_element(seqlen_q, seqlen_k, pair_stores):
     assert store_mismatches(seqlen_q, seqlen_k, pair_stores) == []
 
 
-@pytest.mark.parametrize("wrong", ["swapped_pair", "off_by_one"])
+@pytest.mark.parametrize("wrong", ["swapped_pair", "off_by_one", "head_batch_swapped", "row_off_by_one"])
 def test_checker_rejects_wrong_stores(wrong):
     assert store_mismatches(130, 250, False, wrong)

@@ -6,15 +6,17 @@
    total]): an element of such a view is the (batch, token, head, column) it addresses. For random
    offsets (requests of 0 queries, 0 keys, one token, several tiles) and pack groups 1, 8 and 128,
    every packed row r of every request b and KV head hk must address token cu_q[b] + r // g, head
-   hk g + r % g in Q / O and LSE, key j of the request key cu_k[b] + j of head hk in K, and the
+   hk g + r % g in Q, O (both of its views) and LSE, key j of the request key cu_k[b] + j of head
+   hk in K and V, and the
    request's row and key counts must be (cu_q[b + 1] - cu_q[b]) g and cu_k[b + 1] - cu_k[b].
    Negative control: a request offset by cu_q[b] packed rows (the group forgotten).
 2. Per-request key counts. The consumer warpgroups' masking of one Q tile is replayed with the D3
-   kernel's ``kv_length`` (seqused_k[b] clamped to [0, seqlen_k]), ``kv_span``, QK partition and
-   ``mask_s`` (``tests/sm90_mask_replay.py``) for the three consumer layouts; the kept (row, key)
-   pairs of the real rows must be exactly the keys j < min(seqused_k[b], seqlen_k), each kept
-   once, and a request with no key keeps nothing. Negative control: a kernel whose ``kv_length``
-   ignores seqused_k.
+   kernel's ``request_views`` (the request's row count and its key count: ``kv_length``,
+   seqused_k[b] clamped to [0, seqlen_k]), ``kv_span``, QK partition and ``mask_s``
+   (``tests/sm90_mask_replay.py``) for the three consumer layouts; the kept (row, key) pairs of
+   the real rows must be exactly the keys j < min(seqused_k[b], seqlen_k), each kept once, a
+   request with no key keeps nothing, and the other requests' entries (different counts) are not
+   read. Negative control: a kernel whose ``kv_length`` ignores seqused_k.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, pair_mismatch, values_per_thread
+from sm90_mask_replay import MAX_VISITS, kept_keys, mask_replayer, pair_mismatch, values_per_thread
 
 from dsv4_attention.common.layouts import request_rows
 from dsv4_attention.common.pack_heads import packed_row
@@ -86,25 +88,27 @@ def views_runner(group: int, wrong: str | None = None):
         for r in cutlass.range(cu_q.shape[0] - 1, unroll=1):
             for hk in cutlass.range(HK, unroll=1):
                 mQ, mK, mV, mO, mO_mem, mLSE, bi, n_rows, n_keys = kernel.request_views(
-                    r, q, k_ids, k_ids, o, o, lse, None, cu_q, cu_k)
+                    r, q, k_ids, k_ids, o, o, lse, None, cu_q, cu_k)  # O's two views and V's: the same tensors
                 info[r, hk, 0] = n_rows
                 info[r, hk, 1] = n_keys
                 for i in cutlass.range(cutlass.min(n_rows, ROWS_MAX), unroll=1):
                     for ci in cutlass.range_constexpr(len(COLS)):
-                        crd = mQ[i, COLS[ci], hk, bi]
-                        for a in cutlass.range_constexpr(4):
-                            q_out[r, hk, i, ci, a] = crd[a]
+                        for vi, view in enumerate((mQ, mO, mO_mem)):  # Q, O's TMA view, O's memory
+                            crd = view[i, COLS[ci], hk, bi]
+                            for a in cutlass.range_constexpr(4):
+                                q_out[r, hk, i, ci, vi, a] = crd[a]
                     crd_l = mLSE[bi, hk, i]
                     for a in cutlass.range_constexpr(3):
                         lse_out[r, hk, i, a] = crd_l[a]
                 for j in cutlass.range(cutlass.min(n_keys, ROWS_MAX), unroll=1):
-                    crd = mK[j, COLS[1], hk, bi]
-                    for a in cutlass.range_constexpr(4):
-                        k_out[r, hk, j, a] = crd[a]
+                    for vi, view in enumerate((mK, mV)):
+                        crd = view[j, COLS[1], hk, bi]
+                        for a in cutlass.range_constexpr(4):
+                            k_out[r, hk, j, vi, a] = crd[a]
 
     def buffers(requests):
-        return (torch.full((requests, HK, ROWS_MAX, len(COLS), 4), -1, dtype=torch.int32),
-                torch.full((requests, HK, ROWS_MAX, 4), -1, dtype=torch.int32),
+        return (torch.full((requests, HK, ROWS_MAX, len(COLS), 3, 4), -1, dtype=torch.int32),
+                torch.full((requests, HK, ROWS_MAX, 2, 4), -1, dtype=torch.int32),
                 torch.full((requests, HK, ROWS_MAX, 3), -1, dtype=torch.int32),
                 torch.full((requests, HK, 2), -1, dtype=torch.int32))
 
@@ -135,33 +139,42 @@ def view_mismatches(group: int, lens_q: list, lens_k: list, wrong: str | None = 
             for r in range(n_rows):
                 t, head = packed_row(r, group, hk)
                 for ci, c in enumerate(COLS):
-                    got = tuple(q_out[b, hk, r, ci].tolist())
-                    if got != (0, int(cu_q[b]) + t, head, c):
-                        bad.append(f"g{group} request {b} hk{hk} row {r} col {c}: Q/O at {got}, want token "
-                                   f"{int(cu_q[b]) + t} head {head}")
+                    for vi, what in enumerate(("Q", "O", "O memory")):
+                        got = tuple(q_out[b, hk, r, ci, vi].tolist())
+                        if got != (0, int(cu_q[b]) + t, head, c):
+                            bad.append(f"g{group} request {b} hk{hk} row {r} col {c}: {what} at {got}, want token "
+                                       f"{int(cu_q[b]) + t} head {head}")
                 got = tuple(lse_out[b, hk, r].tolist())
                 if got != (0, head, int(cu_q[b]) + t):
                     bad.append(f"g{group} request {b} hk{hk} row {r}: LSE at {got}")
             for j in range(n_keys):
-                got = tuple(k_out[b, hk, j].tolist())
-                if got != (0, int(cu_k[b]) + j, hk, COLS[1]):
-                    bad.append(f"g{group} request {b} hk{hk} key {j}: K at {got}")
+                for vi, what in enumerate(("K", "V")):
+                    got = tuple(k_out[b, hk, j, vi].tolist())
+                    if got != (0, int(cu_k[b]) + j, hk, COLS[1]):
+                        bad.append(f"g{group} request {b} hk{hk} key {j}: {what} at {got}")
     return bad[:5]
 
 
-def random_lengths(seed: int, requests: int, most: int) -> tuple[list, list]:
+def random_lengths(seed: int, requests: int, group: int) -> tuple[list, list]:
+    """Random lengths with every kind the docstring names: request 0 spans several 128-row tiles
+    (up to ROWS_MAX packed rows) and has keys, one request has no query and keys, the last has
+    queries and no key; the rest 0, 1 or a random count of each."""
     rng = random.Random(seed)
+    most = ROWS_MAX // group
     lens_q = [rng.choice([0, 1, rng.randint(1, most)]) for _ in range(requests)]
-    lens_k = [rng.choice([0, 1, rng.randint(1, 3 * most)]) for _ in range(requests)]
-    lens_q[0], lens_k[-1] = max(lens_q[0], 2), 0  # a request with rows, one with no key
+    lens_k = [rng.choice([0, 1, rng.randint(1, 400)]) for _ in range(requests)]
+    lens_q[0], lens_k[0] = rng.randint(max(2, -(-300 // group)), most), rng.randint(130, 400)
+    lens_q[1], lens_k[1] = 0, max(lens_k[1], 1)
+    lens_q[-1], lens_k[-1] = max(lens_q[-1], 1), 0
     return lens_q, lens_k
 
 
 @pytest.mark.parametrize("group", [1, 8, 128])
 def test_varlen_views_address_each_requests_tokens(group):
-    most = max(2, 300 // group)  # packed rows per request stay under ROWS_MAX
     for seed in range(3):
-        assert view_mismatches(group, *random_lengths(seed, 5, most)) == [], seed
+        lens_q, lens_k = random_lengths(seed, 5, group)
+        assert lens_q[0] * group > 2 * 128 and sum(lens_k) > 0
+        assert view_mismatches(group, lens_q, lens_k) == [], (seed, lens_q, lens_k)
 
 
 def test_checker_rejects_requests_offset_without_the_group():
@@ -183,6 +196,7 @@ def mask_runner(name: str, wrong: str | None = None):
 
     from dsv4_attention.common import jit
     from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.layouts import seq_major
 
     head_dim, options, layout = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, seqused_k=True, **options)
@@ -191,16 +205,24 @@ def mask_runner(name: str, wrong: str | None = None):
 
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, used: cute.Tensor, m_block: Int32,
-             rows: Int32, seqlen_k: Int32, batch: Int32):
+             seqlen_q: Int32, seqlen_k: Int32, batch: Int32):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, kernel.kv_length(used, batch, seqlen_k), 0, 0, 0, 0, None)
+        # what the kernel takes a request to be: its own views and counts (request_views, which
+        # calls kv_length on seqused_k), over coordinate tensors of Q's, K's and LSE's shapes
+        heads = HK * kernel.pack_group
+        q_ids = seq_major(cute.make_identity_tensor((used.shape[0], seqlen_q, heads, D)))
+        k_ids = seq_major(cute.make_identity_tensor((used.shape[0], seqlen_k, HK, D)))
+        q, o, lse = kernel.row_views(q_ids, q_ids, cute.make_identity_tensor((used.shape[0], heads, seqlen_q)))
+        _, _, _, _, _, _, bi, n_rows, n_keys = kernel.request_views(batch, q, k_ids, k_ids, o, o, lse, used, None, None)
+        span = kernel.kv_span(m_block, n_rows, n_keys, 0, 0, 0, 0, None)
         info[0] = span.origin
         info[1] = span.n_tiles
+        info[2] = bi
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
     vals = values_per_thread(kernel)
     bufs = (torch.zeros(kernel.consumer_threads, MAX_VISITS, vals),
-            torch.zeros(kernel.consumer_threads, vals, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+            torch.zeros(kernel.consumer_threads, vals, 2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
             torch.zeros(3, dtype=torch.int32))
     with target_arch("sm90"):
         fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 4),
@@ -217,25 +239,23 @@ def key_mismatches(name: str, wrong: str | None = None) -> list:
     for seqlen_q, seqlen_k in ((70, 300), (5, 129), (3, 64)):
         # seqused_k per request: none, one, a tile's edge and past it, all, more than the tensor, negative
         for b, n_used in enumerate((0, 1, tile_n, tile_n + 1, 2 * tile_n + 3, seqlen_k, seqlen_k + 9, -4)):
-            used.copy_(torch.tensor([n_used, 7, n_used], dtype=torch.int32))
-            batch = 0 if b % 2 == 0 else 2  # the request's own entry is read, not another's
+            batch = b % 3  # the request's own entry is read: the others hold counts no case wants
+            used.copy_(torch.tensor([5, 11, 17], dtype=torch.int32))
+            used[batch] = n_used
             want_keys = max(min(n_used, seqlen_k), 0)
             tiles = -(-seqlen_q * g // kernel.tile_m)
             for m in sorted({0, tiles - 1}):
                 out.zero_()
                 fn(*[from_dlpack(x) for x in (out, coords, info, used)],
-                   *[Int32(x) for x in (m, seqlen_q * g, seqlen_k, batch)])
-                origin, n_tiles = info.tolist()
-                assert 1 <= n_tiles <= MAX_VISITS and bool(torch.all((out == 0) | (out == -float("inf"))))
-                kept = {}
-                for it in range(n_tiles):
-                    first = origin + (n_tiles - 1 - it) * tile_n
-                    t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
-                    for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
-                        row, col = coords[t, v].tolist()
-                        packed = m * kernel.tile_m + row
-                        if packed // g < seqlen_q:
-                            kept[(packed, first + col)] = kept.get((packed, first + col), 0) + 1
+                   *[Int32(x) for x in (m, seqlen_q, seqlen_k, batch)])
+                origin, n_tiles, bi = info.tolist()
+                assert 1 <= n_tiles <= MAX_VISITS and bi == batch, info.tolist()
+
+                def key_of(n, row, col, m=m, origin=origin, seqlen_q=seqlen_q):  # tile n: keys origin + n T ..
+                    packed = m * kernel.tile_m + row
+                    return (packed, origin + n * tile_n + col) if packed // g < seqlen_q else None
+
+                kept = kept_keys(out, coords, n_tiles, key_of)
                 rows = [r for r in range(m * kernel.tile_m, (m + 1) * kernel.tile_m) if r // g < seqlen_q]
                 want = {(r, j) for r in rows for j in range(want_keys)}
                 wrong_pairs = pair_mismatch(kept, want)

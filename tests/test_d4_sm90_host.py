@@ -23,7 +23,14 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, pair_mismatch, values_per_thread
+from sm90_mask_replay import (
+    MAX_VISITS,
+    kept_keys,
+    mask_replayer,
+    masking_first_tile_only,
+    pair_mismatch,
+    values_per_thread,
+)
 
 from dsv4_attention.common import kv_span
 
@@ -115,17 +122,12 @@ def kept_pairs(name, bounds, wrong, m_block, seqlen_q, seqlen_k, left, right):
        *[Int32(x) for x in (m_block, seqlen_q * g, seqlen_k, left or 0, right or 0)])
     origin, n_tiles = info.tolist()
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles)
-    assert bool(torch.all((out == 0) | (out == -float("inf")))), "a value neither kept nor -inf"
-    kept = {}
-    for it in range(n_tiles):
-        first = origin + (n_tiles - 1 - it) * tile_n  # visit it is tile n_tiles - 1 - it
-        t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
-        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
-            row, col = coords[t, v].tolist()
-            packed = m_block * kernel.tile_m + row
-            if packed // g < seqlen_q:
-                kept[(packed, first + col)] = kept.get((packed, first + col), 0) + 1
-    return kept, kernel
+
+    def key_of(n, row, col):  # tile n holds keys origin + n T ..
+        packed = m_block * kernel.tile_m + row
+        return (packed, origin + n * tile_n + col) if packed // g < seqlen_q else None
+
+    return kept_keys(out, coords, n_tiles, key_of), kernel
 
 
 def visible(kernel, m_block, seqlen_q, seqlen_k, left, right) -> set:

@@ -25,7 +25,14 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Float32, Int32
-from sm90_mask_replay import MAX_VISITS, mask_replayer, masking_first_tile_only, pair_mismatch, values_per_thread
+from sm90_mask_replay import (
+    MAX_VISITS,
+    kept_keys,
+    mask_replayer,
+    masking_first_tile_only,
+    pair_mismatch,
+    values_per_thread,
+)
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import FusedSpan, compressed_visible, compressed_visible_at
@@ -127,18 +134,13 @@ def kept_pairs(name, window, wrong, m_block, seqlen_q, seqlen_k, left, right, ra
        from_dlpack(torch.tensor([0] if positions is None else positions, dtype=torch.int32)))
     origin, n_tiles, n_cmp = info.tolist()
     assert 1 <= n_tiles <= MAX_VISITS, (origin, n_tiles, n_cmp)
-    assert bool(torch.all((out == 0) | (out == -float("inf")))), "a value neither kept nor -inf"
-    kept = {}
-    for it in range(n_tiles):
-        n = n_tiles - 1 - it
+
+    def key_of(n, row, col):
         source, first = ("c", n * tile_n) if n < n_cmp else ("w", origin + (n - n_cmp) * tile_n)
-        t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
-        for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
-            row, col = coords[t, v].tolist()
-            packed = m_block * kernel.tile_m + row
-            if packed // g < seqlen_q:
-                key = (packed, source, first + col)
-                kept[key] = kept.get(key, 0) + 1
+        packed = m_block * kernel.tile_m + row
+        return (packed, source, first + col) if packed // g < seqlen_q else None
+
+    kept = kept_keys(out, coords, n_tiles, key_of)
     return kept, kernel
 
 
@@ -400,18 +402,14 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
             origin, n_tiles, n_cmp = info.tolist()
             token = m * tile_m // g
             count = n_c if index_mode else compressed_count(token, sq, sk, ratio, n_c, kv_start)
-            kept = {}
-            for it in range(n_tiles):
-                n = n_tiles - 1 - it
-                t_idx, v_idx = torch.nonzero(out[:, it, :] == 0, as_tuple=True)
-                for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
-                    row, col = coords[t, v].tolist()
-                    if n < n_cmp:
-                        p = n * tile_n + col
-                        key = (row, "c", int(idx[token, p]) if p < k else None, p)
-                    else:
-                        key = (row, "w", origin + (n - n_cmp) * tile_n + col, None)
-                    kept[key] = kept.get(key, 0) + 1
+
+            def key_of(n, row, col, n_cmp=n_cmp, origin=origin, token=token, idx=idx, k=k):
+                if n < n_cmp:
+                    p = n * tile_n + col
+                    return (row, "c", int(idx[token, p]) if p < k else None, p)
+                return (row, "w", origin + (n - n_cmp) * tile_n + col, None)
+
+            kept = kept_keys(out, coords, n_tiles, key_of)
             want = set()
             for row in range(tile_m):
                 if not index_mode:
