@@ -5,8 +5,10 @@ launch), then once more inside the NVTX range ``profiled``, so that
         --section WarpStateStats --metrics <...> python -m tools.profile_e
 
 profiles, in order: index mode (128 heads, top-1024 of 32k rows, 4096 tokens), FlashMLA's sparse
-prefill on the same tensors (the device pack's ``flashmla_peer``), and DeepSeek-V4 HCA decode
-(64 requests x 1 token, 64k keys, 512 entries).
+prefill on the same tensors (the device pack's ``flashmla_peer``), DeepSeek-V4 HCA decode
+(64 requests x 1 token, 64k keys, 512 entries) and the HCA prefill layer (8k tokens, window
+(127, 0) + 64 entries). ``-k regex:FlashAttentionESm90 --launch-skip N -c 1`` picks the N-th of
+our three (index mode 0, decode 1, HCA prefill 2).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def main() -> int:
     except ImportError as e:
         print(f"no FlashMLA: {e}")
     calls.append(("HCA decode b64 sk64k", lambda: e_fused.forward(c["q"], c["kv"], **kw)))
+    h = dsv4_layer(dev, 1, 8192, 8192, None)
+    kw_h = {"compressed_kv": h["compressed_kv"], "compress_ratio": h["compress_ratio"],
+            "learnable_sink": h["learnable_sink"], "causal": True, "window_size": (127, 0)}
+    calls.append(("HCA prefill s8k", lambda: e_fused.forward(h["q"], h["kv"], **kw_h)))
     for _, call in calls:  # warm-up: compile and first launch, one launch of each kernel
         call()
     torch.cuda.synchronize()
