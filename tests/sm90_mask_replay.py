@@ -61,6 +61,22 @@ def values_per_thread(kernel) -> int:
     return kernel.tile_m * kernel.tile_n // (THREADS_PER_WARPGROUP if kernel.seesaw else kernel.consumer_threads)
 
 
+def replay_buffers(kernel) -> tuple:
+    """(out, coords): zeroed buffers for ``mask_replayer``'s run, out[thread, visit, value] and
+    coords[thread, value] = (row, column)."""
+    threads, vals = kernel.consumer_threads, values_per_thread(kernel)
+    return torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
+
+
+def consumer_s_coords(kernel, qk_mma: cute.TiledMma, tidx):
+    """(warpgroup, tScS) of consumer thread ``tidx`` (0 .. consumer_threads - 1): its warpgroup
+    and the (row, key) tile coordinates of its S values, from the kernel's QK partition as its
+    consumer loop takes it (the split layouts slice the MMA per warpgroup). Called while tracing."""
+    wg = tidx // THREADS_PER_WARPGROUP
+    thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
+    return wg, kernel.s_coords(wg, thr)
+
+
 def mask_replayer(kernel, stage=None):
     """A DSL function (called while a host function is traced) replaying every consumer thread's
     masking of every visit of a span's tiles, as the kernel's consumer loop runs it (``mask_s``:
@@ -73,9 +89,7 @@ def mask_replayer(kernel, stage=None):
     @cute.jit
     def replay(qk_mma: cute.TiledMma, span, first_row: Int32, out: cute.Tensor, coords: cute.Tensor):
         for tidx in cutlass.range(kernel.consumer_threads, unroll=1):
-            wg = tidx // THREADS_PER_WARPGROUP
-            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
-            tScS = kernel.s_coords(wg, thr)
+            wg, tScS = consumer_s_coords(kernel, qk_mma, tidx)
             acc = cute.make_rmem_tensor(tScS.shape, Float32)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 coords[tidx, i, 0] = tScS[i][0]

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
-from sm90_mask_replay import MAX_VISITS, kept_keys, mask_replayer, pair_mismatch, values_per_thread
+from sm90_mask_replay import MAX_VISITS, kept_keys, mask_replayer, pair_mismatch, replay_buffers
 
 from dsv4_attention.common.layouts import request_rows
 from dsv4_attention.common.pack_heads import packed_row
@@ -220,10 +220,7 @@ def mask_runner(name: str, wrong: str | None = None):
         info[2] = bi
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    vals = values_per_thread(kernel)
-    bufs = (torch.zeros(kernel.consumer_threads, MAX_VISITS, vals),
-            torch.zeros(kernel.consumer_threads, vals, 2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32))
+    bufs = (*replay_buffers(kernel), torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
     with target_arch("sm90"):
         fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 4),
                           options=f"--gpu-arch={GPU_ARCH['sm90']}")

@@ -29,7 +29,7 @@ from sm90_mask_replay import (
     mask_replayer,
     masking_first_tile_only,
     pair_mismatch,
-    values_per_thread,
+    replay_buffers,
 )
 
 from dsv4_attention.common import kv_span
@@ -102,9 +102,7 @@ def runner(name: str, has_left: bool, has_right: bool, wrong: str | None = None)
         info[1] = span.n_tiles
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    vals = values_per_thread(kernel)
-    bufs = (torch.zeros(kernel.consumer_threads, MAX_VISITS, vals),
-            torch.zeros(kernel.consumer_threads, vals, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    bufs = (*replay_buffers(kernel), torch.zeros(2, dtype=torch.int32))
     with target_arch("sm90"):
         fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 5),
                           options=f"--gpu-arch={GPU_ARCH['sm90']}")

@@ -24,9 +24,9 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Float32, Int32
+from sm90_mask_replay import consumer_s_coords
 
 from dsv4_attention.common.pack_heads import packed_row
-from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 from dsv4_attention.common.softmax import acc_rows_view
 
 pytestmark = [pytest.mark.arch("sm90"), pytest.mark.stage_d5, pytest.mark.proof]
@@ -84,9 +84,7 @@ def runner(name: str, wrong: str | None = None):
              m_block: Int32, head: Int32):
         qk_mma, _ = kernel.make_mmas()
         for tidx in cutlass.range(kernel.consumer_threads, unroll=1):
-            wg = tidx // THREADS_PER_WARPGROUP
-            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
-            tScS = kernel.s_coords(wg, thr)
+            _, tScS = consumer_s_coords(kernel, qk_mma, tidx)
             rows_c = acc_rows_view(tScS)
             n = cute.size(rows_c, mode=[0])
             inv_sum = cute.make_rmem_tensor(n, Float32)

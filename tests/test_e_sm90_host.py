@@ -31,7 +31,7 @@ from sm90_mask_replay import (
     mask_replayer,
     masking_first_tile_only,
     pair_mismatch,
-    values_per_thread,
+    replay_buffers,
 )
 
 from dsv4_attention.common import kv_span
@@ -95,7 +95,6 @@ def runner(name: str, window: bool, wrong: str | None = None, positions: bool = 
     head_dim, options = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True,
                                  has_left=window, has_right=window, **options)
-    threads = kernel.consumer_threads
     replay = mask_replayer(kernel)
 
     @cute.jit
@@ -111,9 +110,7 @@ def runner(name: str, window: bool, wrong: str | None = None, positions: bool = 
         info[2] = span.n_cmp
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    vals = values_per_thread(kernel)
-    bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32))
+    bufs = (*replay_buffers(kernel), torch.zeros(3, dtype=torch.int32))
     with target_arch("sm90"):
         fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 8),
                           from_dlpack(torch.zeros(4, dtype=torch.int32)), options=f"--gpu-arch={GPU_ARCH['sm90']}")
@@ -317,7 +314,6 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
     cls = {"no_count": NoCount, "one_slot": OneSlot}.get(wrong, FlashAttentionESm90)
     kernel = cls(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True, has_topk=True,
                  has_left=not index_mode, has_right=not index_mode, index_mode=index_mode, **options)
-    threads = kernel.consumer_threads
 
     @cute.jit
     def stage_ahead(span, it):
@@ -348,9 +344,8 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
                 rows_out[n, r] = kernel.gather_source_row(span, n, r)
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    vals = values_per_thread(kernel)
-    bufs = (torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32), torch.zeros(MAX_VISITS, kernel.tile_n, dtype=torch.int32),
+    bufs = (*replay_buffers(kernel), torch.zeros(3, dtype=torch.int32),
+            torch.zeros(MAX_VISITS, kernel.tile_n, dtype=torch.int32),
             lists_buffer(kernel), torch.zeros(10, 7, dtype=torch.int32))
     with target_arch("sm90"):
         # the list's shape is dynamic, as the kernel receives it (jit.as_cute)
@@ -393,9 +388,7 @@ def topk_failures(name, wrong=None, problems=((40, 40, 4, 30, 200), (7, 300, 4, 
         idx = topk_case(sq + k, sq, sk, ratio, n_c, k)
         tiles = sq * g // tile_m
         for m in sorted({0, 1, tiles // 2, tiles - 1}):
-            threads = kernel.consumer_threads
-            vals = values_per_thread(kernel)
-            out, coords = torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
+            out, coords = replay_buffers(kernel)
             info, rows_out = torch.zeros(3, dtype=torch.int32), torch.full((MAX_VISITS, tile_n), -7, dtype=torch.int32)
             fn(*[from_dlpack(b) for b in (out, coords, info, rows_out, lists_buffer(kernel))], jit.as_cute(idx),
                *[Int32(x) for x in (m, sq * g, sk, 127, 0, ratio, n_c, kv_start)])
