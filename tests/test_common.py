@@ -59,13 +59,18 @@ def test_report_staleness(tmp_path):
     json.dumps(rep)
 
 
-def test_merge_never_mixes_code():
-    old = {"sources": {"a": "1"}, "tests": {"a": {}}, "bench": [{"stage": "a"}]}
-    new = {"sources": {"a": "2"}, "tests": {"b": {}}, "bench": []}
-    assert report.merge(old, new) == new
-    same = dict(new, sources={"a": "1"})
-    merged = report.merge(old, same)
-    assert set(merged["tests"]) == {"a", "b"} and merged["bench"] == [{"stage": "a"}]
+def test_merge_keeps_each_group_of_its_own_code():
+    """A run's results replace the same parts of the same groups; other groups keep theirs."""
+    srcs = report.sources()
+    old = report.settle({"sources": srcs, "bench": [{"stage": "a"}], "runs": [], "date": "1"})
+    report.add_tests(old, {"tests": {"a": {"sm90": {"passed": 2}}}, "errors": {}}, "all", ["a", "b"])
+    old["bench_sources"] = {"a": report.scoped(srcs, "a", "bench")}
+    new = {"sources": srcs, "bench": [], "runs": [], "date": "2"}
+    report.add_tests(new, {"tests": {"b": {"sm90": {"passed": 3}}}, "errors": {}}, "stage", ["b"])
+    merged = report.merge(old, new)
+    assert merged["tests"] == {"a": {"sm90": {"passed": 2}}, "b": {"sm90": {"passed": 3}}}
+    assert report.test_state(merged, "b") == ("current", ["stage"])  # the newer complete part wins
+    assert merged["bench"] == [{"stage": "a"}] and report.bench_current(merged, "a")
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -1,4 +1,9 @@
-"""The README status table and the docs status/results pages are what the evidence renders to."""
+"""The README status table and the docs status/results pages are what the evidence renders to, and
+the evidence of each stage goes stale with its own files only."""
+
+import os
+
+import pytest
 
 from tools import status
 
@@ -7,34 +12,144 @@ def test_rendered_status_is_current():
     assert status.render(write=False), "run `python -m tools.status render` (or `nox -s status`) and commit"
 
 
-def _part(passed, failed, rel):
-    return {"tests": {"c": {"sm90": {"passed": passed, "failed": failed, "skipped": 1}}},
-            "errors": {"c": {"sm90": {"rel_fro": rel, "row_rel": rel, "max_abs": rel, "cases": 2}}},
-            "pytest_exit": 1 if failed else 0}
+def _summary(group, passed, failed=0, rel=1e-3):
+    return {"tests": {group: {"sm90": {"passed": passed, "failed": failed, "skipped": 1}}},
+            "errors": {group: {"sm90": {"rel_fro": rel, "row_rel": rel, "max_abs": rel, "cases": 2}}}}
 
 
-def test_session_parts_sum_into_one_report():
-    """A session run in parts (gpu_report --shard): counts add up, errors keep the worst, a part
-    that ran again replaces itself, parts of other code are dropped, and a missing part shows."""
-    from common import report
+def _tree(root):
+    """A repository of two stages, p and q, whose kernels (reached through their kernel strings)
+    import common/shared.py and common/other.py, their tests and benches."""
+    files = {
+        "common/__init__.py": "",
+        "common/shared.py": "X = 1\n",
+        "common/other.py": "Y = 1\n",
+        "common/unused.py": "Z = 1\n",
+        "stages/__init__.py": "import importlib\n",
+        "stages/p_one/__init__.py": 'ID = "p"\nKERNELS = {"sm90": "dsv4_attention.stages.p_one.sm90:K"}\n',
+        "stages/p_one/sm90.py": "from dsv4_attention.common import shared\n",
+        "stages/q_two/__init__.py": 'ID = "q"\nKERNELS = {"sm90": "dsv4_attention.stages.q_two.sm90:K"}\n',
+        "stages/q_two/sm90.py": "from dsv4_attention.common.other import Y\n",
+        "tests/conftest.py": "",
+        "tests/test_p.py": "import pytest\npytestmark = pytest.mark.stage_p\nfrom dsv4_attention.stages import p_one\n",
+        "tests/test_q.py": "import pytest\npytestmark = pytest.mark.stage_q\nfrom dsv4_attention.stages import q_two\n",
+        "tools/bench.py": ("def bench_p(dev):\n    from dsv4_attention.stages import p_one\n\n"
+                           "def bench_q(dev):\n    from dsv4_attention.stages import q_two\n\n"
+                           'BENCHES = {"p": bench_p, "q": bench_q}\n'),
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
 
-    src = {"sources": {"a.py": "1"}}
-    first = dict(src)
-    report.add_shard(None, first, (1, 2), _part(3, 0, 1e-3))
-    assert report.missing_shards(first) == ["2/2"]
-    second = dict(src)
-    report.add_shard(first, second, (2, 2), _part(4, 1, 2e-3))
-    assert report.missing_shards(second) == []
-    assert second["tests"]["c"]["sm90"] == {"passed": 7, "failed": 1, "skipped": 2}
-    assert second["errors"]["c"]["sm90"]["rel_fro"] == 2e-3 and second["errors"]["c"]["sm90"]["cases"] == 4
-    again = dict(src)
-    report.add_shard(second, again, (2, 2), _part(5, 0, 1e-4))  # part 2 ran again: replaces, not adds
-    assert again["tests"]["c"]["sm90"] == {"passed": 8, "failed": 0, "skipped": 2}
-    other = {"sources": {"a.py": "2"}}
-    report.add_shard(again, other, (2, 2), _part(5, 0, 1e-4))  # other code: part 1 is not carried over
-    assert report.missing_shards(other) == ["1/2"] and other["tests"]["c"]["sm90"]["passed"] == 5
-    merged = report.merge(again, {**src, "tests": {}, "errors": {}, "bench": [], "runs": []})
-    assert merged["shards"] == again["shards"]  # a bench-only run keeps the session's parts
+
+def test_each_stage_evidence_goes_stale_with_its_own_files_only(tmp_path):
+    """A change to the file of one stage's scope leaves that stage's results stale and the other's
+    current (negative control: the same change does reach the stage that imports it); a file no
+    stage imports changes only the groups of the whole tree."""
+    from dsv4_attention.common import report, scope
+
+    _tree(tmp_path)
+    # the registry (stages/__init__.py) loads q's package but not q's kernel
+    assert scope.scope("p", "tests", tmp_path) == ["common/__init__.py", "common/shared.py", "stages/__init__.py",
+                                                    "stages/p_one/__init__.py", "stages/p_one/sm90.py",
+                                                    "stages/q_two/__init__.py"]
+    assert "common/other.py" in scope.scope("q", "bench", tmp_path)
+    rep = {"sources": report.sources(tmp_path), "date": "1"}
+    report.add_tests(rep, {"tests": {**_summary("p", 3)["tests"], **_summary("q", 4)["tests"]}, "errors": {}},
+                     "all", ["p", "q", "none"], tmp_path)
+    rep["bench_sources"] = {g: report.scoped(rep["sources"], g, "bench", tmp_path) for g in ("p", "q")}
+    assert report.stale_groups(rep, tmp_path) == []
+    (tmp_path / "common" / "other.py").write_text("Y = 2\n")
+    assert report.test_state(rep, "p", tmp_path)[0] == "current" and report.bench_current(rep, "p", tmp_path)
+    assert report.stale_groups(rep, tmp_path) == ["none", "q"]
+    (tmp_path / "common" / "other.py").write_text("Y = 1\n")
+    (tmp_path / "stages" / "p_one" / "sm90.py").write_text("from dsv4_attention.common import shared  # changed\n")
+    assert report.stale_groups(rep, tmp_path) == ["none", "p"]
+    (tmp_path / "stages" / "p_one" / "sm90.py").write_text("from dsv4_attention.common import shared\n")
+    (tmp_path / "common" / "unused.py").write_text("Z = 2\n")
+    assert report.stale_groups(rep, tmp_path) == ["none"]
+
+
+def test_session_parts_sum_per_group(tmp_path):
+    """A session run in parts (gpu_report --shard) sums per group; a group whose files changed
+    between parts keeps only the parts of its current code (a part missing shows), while the other
+    group's parts of both runs still make one whole; a stage run replaces a group's evidence."""
+    from dsv4_attention.common import report
+
+    _tree(tmp_path)
+    groups = ["p", "q", "none"]
+
+    def run(summary, part, ids=groups, date="1"):
+        new = {"sources": report.sources(tmp_path), "date": date, "bench": [], "runs": []}
+        report.add_tests(new, summary, part, ids, tmp_path)
+        return new
+
+    rep = report.merge(None, run(_summary("p", 3, 0, 1e-3), "1/2"), tmp_path)
+    assert report.test_state(rep, "p", tmp_path) == ("partial", ["1/2"])
+    assert report.missing_parts(rep, "p") == ["2/2"]
+    rep = report.merge(rep, run(_summary("p", 4, 1, 2e-3), "2/2"), tmp_path)
+    assert report.test_state(rep, "p", tmp_path) == ("current", ["1/2", "2/2"])
+    assert rep["tests"]["p"]["sm90"] == {"passed": 7, "failed": 1, "skipped": 2}
+    assert rep["errors"]["p"]["sm90"]["rel_fro"] == 2e-3 and rep["errors"]["p"]["sm90"]["cases"] == 4
+    rep = report.merge(rep, run(_summary("p", 5, 0, 1e-4), "2/2"), tmp_path)  # ran again: replaces, not adds
+    assert rep["tests"]["p"]["sm90"] == {"passed": 8, "failed": 0, "skipped": 2}
+    (tmp_path / "common" / "other.py").write_text("Y = 2\n")  # q's code changes, p's does not
+    rep = report.merge(rep, run(_summary("q", 6), "1/2"), tmp_path)
+    assert report.test_state(rep, "p", tmp_path)[0] == "current"  # p's 2/2 of the old tree still counts
+    assert report.test_state(rep, "q", tmp_path) == ("partial", ["1/2"])  # q's 2/2 of the old tree is gone
+    rep = report.merge(rep, run(_summary("q", 2), "stage", ["q", "none"], date="2"), tmp_path)
+    assert report.test_state(rep, "q", tmp_path) == ("current", ["stage"]) and rep["tests"]["q"]["sm90"]["passed"] == 2
+    gpu_only = report.merge(None, run(_summary("p", 3), "gpu", ["p"]), tmp_path)
+    assert report.test_state(gpu_only, "p", tmp_path)[0] == "partial"  # GPU tests alone verify nothing
+
+
+def test_scope_of_the_real_stages():
+    """Anchors of the real import graph: stage C's evidence does not depend on the kernels that
+    came after it, stage E's depends on the skeleton it inherits (D1) and on its gather."""
+    from dsv4_attention.common import scope
+
+    c, e = scope.scope("c"), scope.scope("e")
+    assert "stages/e_fused/sm90.py" not in c and "stages/d1_smem_p/sm90.py" not in c
+    assert {"stages/d1_smem_p/sm90.py", "stages/d5_sink_merge/sm90.py", "common/sm90_gather.py",
+            "common/sm90_kv_chunks.py"} <= set(e)
+    assert "stages/c_online_softmax/sm90.py" not in scope.scope("e", "bench")
+    assert scope.scope("none") == scope.all_sources()
+
+
+DYNAMIC = """
+import json, pathlib, sys
+from dsv4_attention.common.compile import compile_here
+rep = compile_here("e", "sm90", "bfloat16", 512, {"kv_shared": True, "pack_group": 128, "has_compressed": True,
+                                                  "has_topk": True, "index_mode": True})
+root = pathlib.Path(sys.argv[1])
+files = sorted({pathlib.Path(m.__file__).resolve().relative_to(root).as_posix() for m in list(sys.modules.values())
+                if getattr(m, "__file__", None) and pathlib.Path(m.__file__).resolve().is_relative_to(root)})
+print(json.dumps({"error": rep.error, "files": files}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_scope_covers_what_a_compile_loads():
+    """Compile stage E's index-mode kernel for sm_90a in a fresh process: every source file the
+    process loaded is in E's static scope. Negative control: the closure of E's __init__.py as the
+    registry loads it (no kernel string followed) misses the kernel module the compile loaded."""
+    import json
+    import subprocess
+    import sys
+
+    from dsv4_attention.common import scope
+
+    root = scope.ROOT
+    p = subprocess.run([sys.executable, "-c", DYNAMIC, str(root)], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["error"] is None, out["error"]
+    loaded = set(out["files"]) & set(scope.all_sources())
+    assert "stages/e_fused/sm90.py" in loaded and "common/sm90_gather.py" in loaded
+    assert loaded <= set(scope.scope("e")) and loaded <= set(scope.scope("e", "bench"))
+    registered = scope.closure({root / "stages" / "e_fused" / "__init__.py": scope.REGISTERED})
+    assert loaded - registered, "the control closure should miss the kernel"
 
 
 def test_session_parts_cover_every_test_file_once():

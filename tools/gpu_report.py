@@ -17,11 +17,14 @@ machine of several GPUs, whose report is its own file: h200x2.json); ``none`` ru
 (benchmarks). ``--stage cp`` is the 2-GPU context-parallel benchmark.
 ``--shard K/N`` runs the K-th of N parts of the session (whole test files, balanced by their
 rough GPU weight), so that a session longer than the device's 10-minute command limit runs
-in N calls; the parts of one code merge into one report, and a report that lacks a part
-verifies nothing (tools/status.py).
-With --stage, the results are merged into docs/results/<gpu>.json from the
-tree when that report ran the same code, so each call fits the device's
-10-minute command limit. Copy the file into docs/results/ and commit it.
+in N calls. ``stage`` runs every test of the ``--stage`` stages (host, compile, proof and GPU
+tests: the whole session's share of those stages) and the tests of no stage.
+Results are kept per group (a stage, or ``none``), each with the sha256 of the files its
+evidence depends on (common/scope.py): the run's results are merged into docs/results/<gpu>.json
+from the tree, replacing the same parts of the same groups, and a group whose files changed since
+its results ran shows as stale until it runs again (common/report.py). So after a change to one
+stage's kernel, ``--tests stage --stage X`` and ``--tests none --stage X`` bring X's evidence up
+to date without re-running the other stages. Copy the file into docs/results/ and commit it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def shard_files(k: int, n: int, tests: pathlib.Path = pathlib.Path("tests")) -> 
 
 def run_tests(stages, which: str, log, files=("tests",)) -> dict:
     marks = " or ".join(f"stage_{s}" for s in stages)
-    select = ["-m", f"gpu and ({marks})"] if which == "gpu" else []
+    every = " or ".join(f"stage_{s}" for s in report.groups() if s != "none")
+    select = (["-m", f"gpu and ({marks})"] if which == "gpu"
+              else ["-m", f"({marks}) or not ({every})"] if which == "stage" else [])
     workers = os.environ.get("PYTEST_WORKERS", "8")
     with tempfile.TemporaryDirectory() as tmp:
         res = pathlib.Path(tmp) / "results.json"
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--stage", action="append")
-    ap.add_argument("--tests", choices=("all", "gpu", "cp", "none"), default="all")
+    ap.add_argument("--tests", choices=("all", "stage", "gpu", "cp", "none"), default="all")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sanity", action="store_true")
     ap.add_argument("--shard", help="K/N: run part K of N of the test session")
@@ -90,6 +95,8 @@ def main(argv=None) -> int:
     shard = tuple(int(x) for x in a.shard.split("/")) if a.shard else None
     if shard and not (a.tests == "all" and 1 <= shard[0] <= shard[1]):
         ap.error("--shard K/N needs --tests all and 1 <= K <= N")
+    if a.tests in ("stage", "gpu") and not a.stage:
+        ap.error(f"--tests {a.tests} needs --stage")
     if present_arch() is None:
         print(f"gpu_report needs a Hopper or Blackwell GPU; this machine has {gpu_name() or 'none'}")
         return 2
@@ -117,33 +124,42 @@ def main(argv=None) -> int:
             files = (shard_files(*shard) if shard else ["tests/test_context_parallel.py"] if a.tests == "cp"
                      else ["tests"])
             summary = run_tests(stage_ids, "all" if a.tests == "cp" else a.tests, log, files)
-    # the whole session also counts the tests of no stage (harness, reference, status)
-    keys = list(stage_ids) + (["none"] if a.tests in ("all", "cp") and "none" in summary["tests"] else [])
+    srcs = report.sources()
+    if a.tests == "stage" and not stage_ids:
+        ap.error("--tests stage needs a --stage that is a stage (not calls, decode or cp)")
     new = {
         "device": gpu_name(),
         "arch": present_arch(),
         "date": report.today(),
         "versions": {"torch": torch.__version__, "cutlass_dsl": cutlass.__version__,
                      "cuda": torch.version.cuda, "python": sys.version.split()[0]},
-        "sources": report.sources(),
-        "tests": {s: summary["tests"].get(s, {}) for s in keys if s in summary["tests"]},
-        "errors": {s: summary["errors"].get(s, {}) for s in keys if s in summary["errors"]},
+        "sources": srcs,
         "bench": [],
         "runs": [{"date": report.today(), "stages": stage_ids, "tests": a.tests, "pytest_exit": summary["pytest_exit"],
                   "bench": not a.no_bench}],
     }
+    # which groups this run's tests speak for, and as what part of their evidence
+    if a.tests == "all":
+        part, group_ids = (a.shard if shard else "all"), report.groups()
+    elif a.tests == "stage":
+        part, group_ids = "stage", [*stage_ids, "none"]
+    elif a.tests == "cp":
+        part, group_ids = "cp", sorted(summary["tests"])
+    elif a.tests == "gpu":
+        part, group_ids = "gpu", stage_ids
+    else:
+        part, group_ids = None, []
+    if part:
+        new["runs"][0]["part"] = part
+        report.add_tests(new, summary, part, group_ids)
     if not a.no_bench:
         new["bench"] = bench_tool.run(bench_ids)
+        new["bench_sources"] = {g: report.scoped(srcs, g, "bench") for g in bench_ids}
     if not a.no_sanity:
         new["peer_sanity"] = bench.peer_sanity()
         print("peer sanity:", json.dumps(new["peer_sanity"]), flush=True)
     existing = report.RESULTS / f"{name}.json"
     old = report.load(existing) if existing.exists() else None
-    if a.tests == "all" and not shard:
-        new.update(shards={}, shard_count=0)  # a whole session replaces any parts of an earlier one
-    if shard:
-        new["runs"][0]["shard"] = a.shard
-        report.add_shard(old, new, shard, {k: summary[k] for k in ("tests", "errors", "pytest_exit")})
     merged = report.merge(old, new)
     (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")

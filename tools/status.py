@@ -6,8 +6,10 @@
 
 Columns: compiles (the compile tests of that stage and arch), layouts proven
 on host (its proof tests), verified on a GPU (the GPU tests in a device
-report of the current code), measured (benchmark rows in such a report).
-A report whose ``sources`` differ from the tree is shown as stale.
+report of the stage's current code), measured (benchmark rows of that code).
+A stage's results are stale when a file its evidence depends on (its scope,
+common/scope.py) changed after they ran; the CPU record is stale when any
+source file changed.
 """
 
 from __future__ import annotations
@@ -55,39 +57,59 @@ def _kind_cell(cpu: dict, stage: str, arch: str, kind: str, none: str) -> str:
     return f"yes ({passed} {'configs' if kind == 'compile' else 'proofs'})" if passed else none
 
 
+def _session_failed(rep: dict) -> int:
+    """Failures in the current evidence of any group: any failure in the session leaves the
+    whole report unproven (host tests, other stages)."""
+    failed = 0
+    for g in rep.get("parts", {}):
+        state, parts = report.test_state(rep, g)
+        if state == "current":
+            failed += sum(_counts(c)[1] for c in report.totals(rep, g, parts)[0].values())
+    return failed
+
+
 def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
     verified, measured = [], []
     for name, rep in reports.items():
         if rep.get("arch") != arch:
             continue
-        stale = report.is_stale(rep)
         tag = f"{name.upper()}, {rep.get('date', '?')[:10]}"
-        passed, failed, _ = _counts(rep.get("tests", {}).get(stage, {}).get(arch))
-        # any failure in the session (host tests, other stages) leaves the whole report unproven
-        session_failed = sum(_counts(c)[1] for by_arch in rep.get("tests", {}).values() for c in by_arch.values())
+        state, parts = report.test_state(rep, stage)
+        tests, errors = report.totals(rep, stage, parts) if state else ({}, {})
+        passed, failed, _ = _counts(tests.get(arch))
         if passed or failed:
-            if stale:
+            if state == "stale":
                 verified.append(f"stale: {tag} ran older code")
+            elif state == "partial":
+                verified.append(f"unproven: {tag} lacks part {', '.join(report.missing_parts(rep, stage))}")
             elif failed:
                 verified.append(f"FAILING on {tag}: {failed} of {passed + failed}")
-            elif session_failed:
-                verified.append(f"unproven: {tag}'s session had {session_failed} failing tests")
-            elif report.missing_shards(rep):
-                verified.append(f"unproven: {tag}'s session lacks part {', '.join(report.missing_shards(rep))}")
+            elif _session_failed(rep):
+                verified.append(f"unproven: {tag}'s session had {_session_failed(rep)} failing tests")
             else:
-                err = rep.get("errors", {}).get(stage, {}).get(arch, {})
+                err = errors.get(arch, {})
                 e = f", worst rel {err['rel_fro']:.1e}" if err else ""
                 verified.append(f"yes: {tag}, {passed} tests{e}")
         rows = [r for r in rep.get("bench", []) if r["stage"] == stage and "ours_tflops" in r]
         if rows:
             best = max(r["ours_tflops"] for r in rows)
+            stale = not report.bench_current(rep, stage)
             measured.append(("stale: " if stale else "") + f"{tag}: {len(rows)} cases, up to {best:.0f} TFLOP/s")
     none = "not run: no Blackwell GPU is lent" if arch == "sm100" else "not run"
-    if any(not v.startswith("stale") for v in verified):  # a report of the current code says it all
-        verified = [v for v in verified if not v.startswith("stale")]
+    if any(not v.startswith(("stale", "unproven")) for v in verified):  # a report of the current code says it all
+        verified = [v for v in verified if not v.startswith(("stale", "unproven"))]
     if any(not m.startswith("stale") for m in measured):
         measured = [m for m in measured if not m.startswith("stale")]
     return "; ".join(verified) or none, "; ".join(measured) or none
+
+
+def _staleness(rep: dict) -> str:
+    """'' when every group of the report is of the tree's code, else which are not."""
+    stale = report.stale_groups(rep)
+    have = set(rep.get("parts", {})) | set(rep.get("bench_sources", {}))
+    if not stale:
+        return ""
+    return "STALE" if set(stale) >= have else "stale for " + " ".join(stale)
 
 
 def table() -> str:
@@ -105,9 +127,9 @@ def table() -> str:
                          f"{_kind_cell(cpu, st.id, arch, 'proof', 'none at this stage')} | {ver} | {meas} |")
     cpu_note = "no CPU record" if not cpu else (
         f"CPU record {cpu.get('date', '?')}" + (" (STALE: code changed since)" if report.is_stale(cpu) else ""))
-    stale = [n for n, r in reports.items() if report.is_stale(r)]
+    notes = {n: _staleness(r) for n, r in reports.items()}
     rep_note = ("GPU reports: " + ", ".join(
-        f"{n} ({r.get('device')}, {r.get('date')}{', STALE' if n in stale else ''})" for n, r in reports.items())
+        f"{n} ({r.get('device')}, {r.get('date')}{', ' + notes[n] if notes[n] else ''})" for n, r in reports.items())
         if reports else "no GPU report yet")
     return "\n".join(lines) + f"\n\n_Generated by `python -m tools.status render` from {cpu_note}; {rep_note}._\n"
 
@@ -126,22 +148,24 @@ def render_page(tbl: str) -> str:
 
 
 def _report_section(name: str, rep: dict) -> str:
-    stale = report.stale_files(rep)
     out = [f"## {name}: {rep.get('device')} ({rep.get('arch')})", "",
-           f"Run {rep.get('date')}; versions {json.dumps(rep.get('versions', {}))}.", ""]
+           f"Last run {rep.get('date')}; versions {json.dumps(rep.get('versions', {}))}.", ""]
+    stale = report.stale_groups(rep)
     if stale:
-        out += [f"**Stale**: {len(stale)} source files changed since this run "
-                f"({', '.join(stale[:6])}{', ...' if len(stale) > 6 else ''}); its results describe older code.", ""]
+        out += [f"**Stale**: the results of {', '.join(stale)} ran code that has changed since (a file their "
+                "evidence depends on differs from the tree); they describe older code.", ""]
     else:
-        out += ["Sources match the tree: these results describe the current code.", ""]
-    out += ["| stage | arch | passed | failed | skipped | worst rel. error | worst row error | cases |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for st, per_arch in sorted(rep.get("tests", {}).items()):
-        for arch, c in sorted(per_arch.items()):
-            e = rep.get("errors", {}).get(st, {}).get(arch, {})
+        out += ["Every result here ran the code in the tree (each group's files match).", ""]
+    out += ["| stage | arch | passed | failed | skipped | worst rel. error | worst row error | cases | evidence |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for st in sorted(rep.get("parts", {})):
+        state, parts = report.test_state(rep, st)
+        tests, errors = report.totals(rep, st, parts)
+        for arch, c in sorted(tests.items()):
+            e = errors.get(arch, {})
             rel = f"{e['rel_fro']:.2e} | {e['row_rel']:.2e}" if e else "not run | not run"
             out.append(f"| {st} | {arch} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('skipped', 0)} | "
-                       f"{rel} | {e.get('cases', 0)} |")
+                       f"{rel} | {e.get('cases', 0)} | {state} ({', '.join(parts)}) |")
     calls = [r for r in rep.get("bench", []) if r["stage"] == "calls"]
     rows = [r for r in rep.get("bench", []) if r["stage"] != "calls"]
     for r in calls:
@@ -191,7 +215,7 @@ def charts(reports: dict) -> dict:
         for st in sorted({r["stage"] for r in rep.get("bench", []) if "seqlen" in r}):
             rows = [r for r in rep["bench"] if r["stage"] == st and "seqlen" in r]
             if len({r["seqlen"] for r in rows}) > 1:
-                stale = " (STALE)" if report.is_stale(rep) else ""
+                stale = "" if report.bench_current(rep, st) else " (STALE)"
                 out[report.RESULTS / f"plot_{st}_{name}.svg"] = attention_chart(
                     rows, f"stage {st}, {rep.get('device')}{stale}")
     return out
@@ -201,7 +225,8 @@ def render_results() -> str:
     reports = report.gpu_reports()
     head = ("# GPU results\n\nRendered from the device reports in `docs/results/` by `python -m tools.status "
             "render`. Each report names the code it ran by the sha256 of every file under `stages/` and "
-            "`common/`; a report whose sources differ from the tree is marked stale. The device tool lends "
+            "`common/`; each stage's results name the files they depend on (common/scope.py) and are marked "
+            "stale when one of those changed after they ran. The device tool lends "
             "Hopper GPUs only: no sm100 result exists.\n\n")
     if not reports:
         return head + "No GPU report yet.\n"

@@ -1,0 +1,210 @@
+"""Which source files a stage's evidence depends on (its scope), found from the imports.
+
+A device report names the code it ran by the sha256 of every source file (common/report.py).
+A stage's results in it stay true while the files its tests and benchmarks execute are unchanged,
+whatever else changes. This module finds those files statically, importing nothing (the status
+render runs in CI, without a GPU or the DSL's import time):
+
+    tests of stage G   the files of G's package, the test files that mark tests ``stage_G``, and
+                       tests/conftest.py
+    bench of stage G   the files of G's package and the imports of G's function in tools/bench.py
+                       (``BENCHES[G]``) and of every module-level function it names
+
+then everything those reach, transitively:
+
+- ``import a.b.c`` and ``from a.b import c`` reach the file of ``a.b.c`` (or of ``a.b`` where
+  ``c`` is a name in it) and the ``__init__.py`` of every package above it: Python runs them.
+- A string naming a kernel, ``"dsv4_attention.stages.x.sm90:Class"`` (a stage's ``KERNELS``
+  table; ``common/jit.kernel_class`` imports it when the stage's kernel runs), reaches that module.
+- ``stages/__init__.py`` loads every stage package (the registry, by name). That reaches each
+  stage's ``__init__.py`` and what it imports, but not its kernels: a kernel string is followed
+  only from a file an import reached, not from one the registry merely loaded.
+
+Results of no stage (the harness tests, host time per call, decode, context parallel) depend on
+the whole tree: ``scope`` returns every source file for them.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "dsv4_attention"
+SOURCE_DIRS = ("dsv4_attention", "stages", "common")
+WHOLE_TREE = ("none", "calls", "decode", "cp")
+KERNEL_STRING = re.compile(r"^(dsv4_attention(?:\.\w+)+):\w+$")
+NORMAL, REGISTERED = 2, 1  # how a file was reached: by an import, or only by the stage registry
+
+
+def all_sources(root: pathlib.Path = ROOT) -> list:
+    """Every .py file under the source folders, repo-relative (what a report hashes)."""
+    return sorted(p.relative_to(root).as_posix() for d in SOURCE_DIRS for p in (root / d).rglob("*.py")
+                  if "__pycache__" not in p.parts)
+
+
+def module_file(name: str, root: pathlib.Path, importer: pathlib.Path | None = None) -> pathlib.Path | None:
+    """The file of module ``name`` in this repository, or None (a module from elsewhere).
+    ``dsv4_attention.common.x`` and ``common.x`` are both common/x.py (the package reaches the
+    repository's folders through its ``__path__``); a bare name imported by a test file may be a
+    helper beside it in tests/ (pytest puts that folder on sys.path)."""
+    parts = name.split(".")
+    if parts[0] == PACKAGE:
+        parts = parts[1:] if len(parts) > 1 and parts[1] in ("common", "stages") else [PACKAGE, *parts[1:]]
+    bases = [root]
+    if importer is not None and importer.parent.name == "tests":
+        bases.append(importer.parent)
+    for base in bases:
+        path = base.joinpath(*parts)
+        if (path / "__init__.py").is_file():
+            return path / "__init__.py"
+        if path.with_suffix(".py").is_file():
+            return path.with_suffix(".py")
+    return None
+
+
+def _package_of(path: pathlib.Path, root: pathlib.Path) -> list:
+    rel = path.relative_to(root).with_suffix("").parts
+    return list(rel[:-1])  # __init__.py's package is its folder, a module's is its folder too
+
+
+def import_targets(nodes, path: pathlib.Path, root: pathlib.Path) -> list:
+    """The repository files that the import statements ``nodes`` (found in ``path``) run."""
+    out = []
+
+    def reach(name: str):
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # every package above runs first
+            f = module_file(".".join(parts[:i]), root, path)
+            if f is not None:
+                out.append(f)
+
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                reach(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = _package_of(path, root)
+                pkg = pkg[:len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            reach(base)
+            for alias in node.names:
+                f = module_file(f"{base}.{alias.name}", root, path)
+                if f is not None:
+                    out.append(f)
+    return out
+
+
+@functools.cache
+def _parsed(path: pathlib.Path, stamp: float) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def _tree(path: pathlib.Path) -> ast.Module:
+    return _parsed(path, path.stat().st_mtime_ns)
+
+
+def edges(path: pathlib.Path, root: pathlib.Path) -> tuple:
+    """(imported files, kernel-string files, registry files) of one file."""
+    tree = _tree(path)
+    imports = import_targets([n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], path, root)
+    strings = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            m = KERNEL_STRING.match(n.value)
+            if m and (f := module_file(m.group(1), root)) is not None:
+                strings.append(f)
+    registry = []
+    if path == root / "stages" / "__init__.py":
+        registry = sorted((root / "stages").glob("*/__init__.py"))
+    return imports, strings, registry
+
+
+def closure(seeds, root: pathlib.Path = ROOT) -> set:
+    """Every file reached from ``seeds`` ({path: NORMAL or REGISTERED}), repo-relative."""
+    mode = {}
+    todo = list(seeds.items())
+    while todo:
+        path, how = todo.pop()
+        path = pathlib.Path(path).resolve()
+        if mode.get(path, 0) >= how:
+            continue
+        mode[path] = how
+        imports, strings, registry = edges(path, root)
+        todo += [(f, how) for f in imports]
+        todo += [(f, REGISTERED) for f in registry]
+        if how == NORMAL:
+            todo += [(f, NORMAL) for f in strings]
+    return {p.relative_to(root).as_posix() for p in mode}
+
+
+def stage_folder(stage_id: str, root: pathlib.Path = ROOT) -> pathlib.Path:
+    """The package of stage ``stage_id`` (the one whose __init__.py says ``ID = "<id>"``)."""
+    for init in sorted((root / "stages").glob("*/__init__.py")):
+        for node in _tree(init).body:
+            if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ID" for t in node.targets)
+                    and isinstance(node.value, ast.Constant) and node.value.value == stage_id):
+                return init.parent
+    raise ValueError(f"no stage with ID {stage_id!r} under stages/")
+
+
+def bench_imports(group: str, root: pathlib.Path = ROOT) -> list:
+    """The import statements that ``BENCHES[group]`` in tools/bench.py runs: the module's own and
+    those inside every module-level function it names, transitively."""
+    path = root / "tools" / "bench.py"
+    tree = _tree(path)
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "BENCHES" for t in n.targets))
+    start = next(v.id for k, v in zip(table.keys, table.values, strict=True)
+                 if isinstance(k, ast.Constant) and k.value == group)
+    nodes = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for n in ast.walk(funcs[name]):
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                nodes.append(n)
+            elif isinstance(n, ast.Name) and n.id in funcs:
+                todo.append(n.id)
+    return import_targets(nodes, path, root)
+
+
+def scope(group: str, kind: str = "tests", root: pathlib.Path = ROOT) -> list:
+    """The source files (repo-relative, sorted) that the ``kind`` ("tests" or "bench") evidence of
+    ``group`` (a stage id, or a group of no stage: the whole tree) depends on."""
+    if group in WHOLE_TREE:
+        return all_sources(root)
+    folder = stage_folder(group, root)
+    seeds = {p: NORMAL for p in sorted(folder.glob("*.py"))}
+    if kind == "tests":
+        marker = re.compile(rf"\bstage_{re.escape(group)}\b")
+        for t in sorted((root / "tests").glob("test_*.py")):
+            if marker.search(t.read_text()):
+                seeds[t] = NORMAL
+        seeds[root / "tests" / "conftest.py"] = NORMAL
+    elif kind == "bench":
+        seeds.update({f: NORMAL for f in bench_imports(group, root)})
+    else:
+        raise ValueError(f"kind must be 'tests' or 'bench'; got {kind!r}")
+    inside = set(all_sources(root))
+    return sorted(f for f in closure(seeds, root) if f in inside)
+
+
+def stage_ids(root: pathlib.Path = ROOT) -> list:
+    """Every stage's ID, in the order of its package's name (a_..., b_..., ..., e_...)."""
+    out = []
+    for init in sorted((root / "stages").glob("*/__init__.py")):
+        for node in _tree(init).body:
+            if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ID" for t in node.targets)
+                    and isinstance(node.value, ast.Constant)):
+                out.append(node.value.value)
+    return out
