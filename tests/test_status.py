@@ -180,3 +180,19 @@ def test_ncu_stall_summary_attributes_samples(tmp_path):
     assert text[4].startswith("75.00%") and "BRA" in text[4] and "[long_sb 100%]" in text[4]
     assert "after: SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x20]" in text[4]
     assert text[5].startswith("25.00%") and "[barrier 100%]" in text[5]
+
+
+def test_two_passes_combine_into_one_record():
+    """gpu_report runs the compile tests in a pass of their own: the two records add up."""
+    from tools.gpu_report import combine
+
+    a = {"pytest_exit": 0, "tests": {"e": {"sm90": {"passed": 3, "failed": 0}}},
+         "by_kind": {"e": {"sm90": {"gpu": {"passed": 3}}}},
+         "errors": {"e": {"sm90": {"rel_fro": 1e-3, "row_rel": 2e-3, "max_abs": 1e-2, "cases": 3}}}}
+    b = {"pytest_exit": 1, "tests": {"e": {"sm90": {"passed": 2, "failed": 1}}, "a": {"sm90": {"passed": 1}}},
+         "by_kind": {"e": {"sm90": {"compile": {"passed": 2, "failed": 1}}}}, "errors": {}}
+    c = combine(a, b)
+    assert c["pytest_exit"] == 1
+    assert c["tests"] == {"e": {"sm90": {"passed": 5, "failed": 1}}, "a": {"sm90": {"passed": 1}}}
+    assert c["by_kind"]["e"]["sm90"] == {"gpu": {"passed": 3}, "compile": {"passed": 2, "failed": 1}}
+    assert c["errors"] == a["errors"]
