@@ -68,6 +68,14 @@ def _session_failed(rep: dict) -> int:
     return failed
 
 
+def _changed(rep: dict, stage: str, parts) -> str:
+    """The files of the stage's scope that changed since its chosen parts ran (the first three)."""
+    now = report.scoped(report.sources(), stage)
+    files = sorted({f for p in parts for f, h in rep["parts"][stage][p]["sources"].items() if now.get(f) != h}
+                   | {f for p in parts for f in now if f not in rep["parts"][stage][p]["sources"]})
+    return ", ".join(files[:3]) + (f" (+{len(files) - 3})" if len(files) > 3 else "") if files else "code"
+
+
 def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
     verified, measured = [], []
     for name, rep in reports.items():
@@ -79,7 +87,7 @@ def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
         passed, failed, _ = _counts(tests.get(arch))
         if passed or failed:
             if state == "stale":
-                verified.append(f"stale: {tag} ran older code")
+                verified.append(f"stale: {tag} ran older {_changed(rep, stage, parts)}")
             elif state == "partial":
                 verified.append(f"unproven: {tag} lacks part {', '.join(report.missing_parts(rep, stage))}")
             elif failed:
