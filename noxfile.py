@@ -7,7 +7,7 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
     bench       benchmarks against the peers (GPU)
     demo        the main job: newest stage on a GPU, or compile everything without one
     compare     one row per stage: what it adds, compile time and resources, GPU error and time
-    gpu_report  GPU tests + benchmarks -> $OUT/<gpu>.json (`-- --stage a` for one stage)
+    gpu_report  GPU tests + benchmarks -> $OUT/<gpu>.json (`-- --tests stage --stage e`: one stage's tests)
     cp_demo     context-parallel attention over the machine's GPUs (torchrun)
     status      record the CPU suite and render the README / docs status table
     lint, docs  ruff; mkdocs build --strict (this machine only)
