@@ -5,8 +5,13 @@ index mode against FlashMLA (4 cases, ``bench.index_row``) and two CSA layers (`
     AB_LABEL=new python -m tools.ab_e out_new.json     # DSV4_ATTENTION_DISABLE_CACHE=1 CUTE_DSL_DISABLE_FILE_CACHING=1
 
 The versions alternate (old, new, old, new) on one warm GPU; FlashMLA's time in each process is
-the yardstick that shows how much the machine moved between them. The runs of 2026-11-25 are in
-``docs/results/experiments/ab_e_gather_h100.json`` (stage E's page: the profile and what was tried)."""
+the yardstick that shows how much the machine moved between them. The old version can be a
+commit: ``git archive REV dsv4_attention common stages tools | tar -x -C ab_old`` (list ``ab_old/``
+in .git/info/exclude and name it in the device call's carry), then run the old process from
+inside it (``cd ab_old && source ../.device/env.sh && AB_LABEL=old python3 -m tools.ab_e ...``:
+env.sh puts the current folder first on PYTHONPATH). The runs of 2026-11-25 are in
+``docs/results/experiments/ab_e_gather_h100.json`` and ``ab_e_lead_split_h100.json`` (stage E's
+page: the profile and what was tried)."""
 
 import json
 import os
