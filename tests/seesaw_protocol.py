@@ -1,0 +1,279 @@
+"""The seesaw's synchronisation checked over every interleaving (used by
+tests/test_d1_seesaw_protocol.py and tests/test_e_seesaw_protocol.py): no deadlock, no slot
+refilled while a wgmma still reads it.
+
+The three roles' operation sequences are taken from the kernels' own methods, run as plain Python
+with recording stand-ins for the ring, the handoffs and the wgmma calls (``seesaw_lead``,
+``seesaw_follow``, ``load_pairs``; the consumer loop around them is the kernel's three lines):
+
+    producer   load(t, half): wait until the slot half's previous use was released, issue (it lands
+               later, at any time)
+    warpgroup  QK over chunks of tile t (its issue waits until they landed), PV over its own
+               half of a tile, wait_group(n) (groups finish in order, at any time), release(t, half)
+               (4 warp arrivals), handoff arrive / wait(round)
+
+Every barrier is modelled as the hardware's parity wait: a wait for round r passes when the number
+of completed phases has the other parity than r, and the check also asserts it is exactly r + 1
+(a phase never lapped). A breadth-first search over all states of the three roles and the
+asynchronous events (a load landing, a wgmma group finishing) then proves, for 1 to 7 KV tiles,
+that every interleaving ends with all roles done and that each release comes after the wgmma
+groups that read that half. Negative controls: a release moved before the wait for the PV that
+reads the half (rejected as a read under refill) and a release removed (rejected as a deadlock).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import cutlass
+
+WARPS = 4  # arrivals of one warpgroup's release (lane 0 of each warp, or every thread counted as its warp)
+
+
+class _Recorder:
+    """Stand-ins that write each synchronising call into ``ops``; everything else is a no-op."""
+
+    def __init__(self, kernel, ops: list, k: int):
+        self.kernel, self.ops, self.k = kernel, ops, k
+        self.chunks = kernel.head_dim // 64
+        self.r_chunk = kernel.o_col1 // 64
+        self.slots = kernel.slots
+
+    # the ring
+    def gemm_qk(self, t, mma, acc, a, b, first_chunk=0, chunks=None, accumulate=False):
+        n = self.chunks if chunks is None else chunks
+        self.ops.append(("qk", t, self._halves(range(first_chunk, first_chunk + n))))
+
+    def release(self, t, half=0):
+        self.ops.append(("release", t, half))
+
+    def wait_full(self, t, first, end):
+        self.ops.append(("wait_full", t, self._halves(range(first, end))))
+
+    def load(self, t, half):
+        self.ops.append(("load", t, half))
+
+    def _halves(self, chunks) -> tuple:
+        return tuple(sorted({0 if c % self.chunks < self.r_chunk else 1 for c in chunks}))
+
+
+class _Handoff:
+    def __init__(self, ops, i):
+        self.ops, self.i = ops, i
+
+    def arrive(self):
+        self.ops.append(("arrive", self.i))
+
+    def wait(self, r):
+        self.ops.append(("wait_h", self.i, r))
+
+
+class _Anything:
+    """ops.tOrV[...], acc tensors, the softmax: indexable, callable, attribute-bearing."""
+
+    def __init__(self, tag=None):
+        self.tag = tag
+
+    def __getitem__(self, idx):
+        return _Anything((self.tag, idx[-1] if isinstance(idx, tuple) else idx))
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything(name)
+
+    def __call__(self, *args, **kwargs):
+        return _Anything()
+
+
+def trace(kernel, n_blocks: int, monkeypatch) -> dict:
+    """{role: [op, ...]} of one Q tile with ``n_blocks`` KV tiles, from ``kernel``'s own methods."""
+    kernel_cls = type(kernel)
+    # the modules of the kernel's classes, whose globals (wgmma calls, register tensors) are stood in for
+    modules = {sys.modules[c.__module__] for c in kernel_cls.__mro__ if c.__module__.startswith("dsv4_attention")}
+
+    ops = {"producer": [], 0: [], 1: []}
+    current = {"role": None, "k": 0}
+
+    def gemm(mma, acc, a, b, zero_init=False):  # a PV: reads the warpgroup's own half of its operand's tile
+        wg = current["role"]
+        parity = b.tag[1]  # the slot index of the V view, t % slots
+        t = 2 * current["k"] + (parity % 2)
+        ops[wg].append(("pv", t, wg))
+
+    class Warpgroup:
+        @staticmethod
+        def wait_group(n):
+            ops[current["role"]].append(("wait_group", n))
+
+        @staticmethod
+        def fence():
+            pass
+
+        @staticmethod
+        def commit_group():
+            pass
+
+    for mod in modules:
+        for name in ("convert_p_packed", "scale_rows", "store_p", "as_a_operand"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, lambda *a, **k: _Anything())
+        monkeypatch.setattr(mod, "warpgroup", Warpgroup, raising=False)
+        monkeypatch.setattr(mod, "cute", _Anything(), raising=False)  # register tensors (make_rmem_tensor)
+        monkeypatch.setattr(mod, "gemm", gemm, raising=False)
+    monkeypatch.setattr(cutlass, "range", lambda n, unroll=1: range(n))
+    for mod in modules:
+        if hasattr(mod, "load_q"):
+            monkeypatch.setattr(mod, "load_q", lambda *a: None)
+
+    k = kernel
+    for name in ("mask_s", "publish_max", "read_max"):
+        monkeypatch.setattr(k, name, lambda *a, **kw: _Anything(), raising=False)
+    # the kernel's own helpers that release (jit methods), run as plain Python too
+    monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: type(k).seesaw_release_b.__wrapped__(k, ring, t),
+                        raising=False)
+    rec = {role: _Recorder(k, ops[role], 0) for role in ops}
+    if hasattr(type(k), "gemm_qk_chunks"):  # E's leader issues its QK halves through this
+        monkeypatch.setattr(k, "gemm_qk_chunks", lambda ring, t, mma, acc, a, b, first, end:
+                            ring.gemm_qk(t, mma, acc, a, b, first_chunk=first, chunks=end - first), raising=False)
+
+    # the producer (the kernel's load_pairs, its load_kv recording the half-loads)
+    monkeypatch.setattr(k, "load_kv", lambda ring, t, n, *srcs, half=None: ring.load(t, half), raising=False)
+    type(k).load_pairs.__wrapped__(k, rec["producer"], n_blocks, (), (), 0)
+
+    # the consumers: stage D1's loop around seesaw_lead / seesaw_follow
+    # acc_s, acc_o, r_p, softmax, stat_rows, row_stats, span, then n_blocks and first_row
+    rest = [_Anything() for _ in range(7)] + [n_blocks, _Anything()]
+    mmas = (_Anything(), _Anything(), _Anything())
+    for wg, fn in ((0, kernel_cls.seesaw_lead), (1, kernel_cls.seesaw_follow)):
+        current["role"] = wg
+        handoffs = [_Handoff(ops[wg], i) for i in range(3)]
+        for pair in range(n_blocks // 2 + n_blocks % 2):
+            current["k"] = pair
+            has_b = pair < n_blocks // 2
+            fn.__wrapped__(k, pair, has_b, mmas, rec[wg], handoffs, _Anything("ops"), *rest)
+        if wg == 0:
+            ops[0].append(("wait_group", 0))
+    return ops
+
+
+def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
+    """None if every interleaving of ``ops`` ends with all roles done and every release follows
+    the reads it frees; else what went wrong, in words."""
+    slots = kernel.slots
+    need = kernel.seesaw_halves()  # [slot parity][half]: warps that release a half
+    roles = ("producer", 0, 1)
+    start = ((0, 0, 0), (), (), frozenset(), ((), ()), (0, 0, 0))
+    # state: pcs, landed[(slot, half)] counts as a sorted tuple, empty arrivals likewise,
+    # loads in flight, groups in flight per warpgroup (tuples of read sets), handoff completions
+
+    def get(pairs, key):
+        return dict(pairs).get(key, 0)
+
+    def put(pairs, key, value):
+        d = dict(pairs)
+        d[key] = value
+        return tuple(sorted(d.items()))
+
+    seen, todo = {start}, collections.deque([start])
+    while todo:
+        pcs, landed, empty, flying, groups, hand = todo.popleft()
+        succ = []
+        # asynchronous events: a load lands; the oldest group of a warpgroup finishes
+        for t, h in flying:
+            s = t % slots
+            succ.append((pcs, put(landed, (s, h), get(landed, (s, h)) + 1), empty, flying - {(t, h)}, groups, hand))
+        for wg in (0, 1):
+            if groups[wg]:
+                g = list(groups)
+                g[wg] = groups[wg][1:]
+                succ.append((pcs, landed, empty, flying, tuple(g), hand))
+        for i, role in enumerate(roles):
+            if pcs[i] == len(ops[role]):
+                continue
+            op = ops[role][pcs[i]]
+            nxt = list(pcs)
+            nxt[i] += 1
+            nxt = tuple(nxt)
+            kind = op[0]
+            if kind == "load":
+                t, h = op[1], op[2]
+                s, use = t % slots, t // slots
+                phases = get(empty, (s, h)) // need[s % 2][h]
+                if phases % 2 != (use ^ 1) % 2 or use == 0:
+                    if use > 0 and phases != use:
+                        return f"load of tile {t} half {h}: empty barrier lapped ({phases} phases, use {use})"
+                    for wg in (0, 1):
+                        for reads in groups[wg]:
+                            if any(r[0] % slots == s and r[0] < t and r[1] == h for r in reads):
+                                return f"load of tile {t} half {h} while warpgroup {wg} still reads it"
+                    succ.append((nxt, landed, empty, flying | {(t, h)}, groups, hand))
+            elif kind in ("qk", "wait_full"):
+                t, halves = op[1], op[2]
+                s, use = t % slots, t // slots
+                ok = all(get(landed, (s, h)) % 2 != use % 2 for h in halves)
+                if ok:
+                    if any(get(landed, (s, h)) != use + 1 for h in halves):
+                        return f"{kind} of tile {t}: full barrier lapped"
+                    g = list(groups)
+                    if kind == "qk":
+                        g[role] = groups[role] + (tuple((t, h) for h in halves),)
+                    succ.append((nxt, landed, empty, flying, tuple(g), hand))
+            elif kind == "pv":
+                g = list(groups)
+                g[role] = groups[role] + (((op[1], op[2]),),)
+                succ.append((nxt, landed, empty, flying, tuple(g), hand))
+            elif kind == "wait_group":
+                if len(groups[role]) <= op[1]:
+                    succ.append((nxt, landed, empty, flying, groups, hand))
+            elif kind == "release":
+                t, h = op[1], op[2]
+                if any((t, h) in reads for reads in groups[role]):
+                    return f"warpgroup {role} releases tile {t} half {h} while its wgmma still reads it"
+                s = t % slots
+                succ.append((nxt, landed, put(empty, (s, h), get(empty, (s, h)) + WARPS), flying, groups, hand))
+            elif kind == "arrive":
+                hd = list(hand)
+                hd[op[1]] += 1
+                succ.append((nxt, landed, empty, flying, groups, tuple(hd)))
+            elif kind == "wait_h":
+                i_h, r = op[1], op[2]
+                if hand[i_h] % 2 != r % 2:
+                    if hand[i_h] != r + 1:
+                        return f"handoff {i_h} round {r}: lapped ({hand[i_h]} rounds)"
+                    succ.append((nxt, landed, empty, flying, groups, hand))
+        done = all(pcs[i] == len(ops[r]) for i, r in enumerate(roles)) and not flying and not any(groups)
+        if not succ and not done:
+            at = {r: ops[r][pcs[i]] if pcs[i] < len(ops[r]) else "done" for i, r in enumerate(roles)}
+            return f"deadlock: {at}"
+        for n in succ:
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    if stats is not None:
+        stats["states"] = len(seen)
+    return None
+
+
+def check_every_interleaving(kernel, n_blocks: int, monkeypatch) -> None:
+    ops = trace(kernel, n_blocks, monkeypatch)
+    assert sorted(op[1:] for op in ops["producer"]) == [(t, h) for t in range(n_blocks) for h in (0, 1)]
+    stats = {}
+    assert check(kernel, ops, stats) is None
+    assert stats["states"] > 40 * n_blocks  # the search did explore the interleavings (48-1953 states)
+
+
+def check_controls(kernel, monkeypatch) -> None:
+    """Negative controls: the follower frees a's second half before waiting for its PV over it
+    (a read under refill), and the leader never frees b's first half of the first pair (the
+    producer's fourth load of the second pair waits forever)."""
+    ops = trace(kernel, 4, monkeypatch)
+    follower = ops[1]
+    last = max(i for i, op in enumerate(follower) if op[0] == "release")
+    assert follower[last - 1] == ("wait_group", 0)
+    early = follower[:last - 1] + [follower[last], follower[last - 1]] + follower[last + 1:]
+    assert "still reads" in check(kernel, {**ops, 1: early})
+    leader = ops[0]
+    first_b = next(i for i, op in enumerate(leader) if op == ("release", 1, 0))
+    assert "deadlock" in check(kernel, {**ops, 0: leader[:first_b] + leader[first_b + 1:]})

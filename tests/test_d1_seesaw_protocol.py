@@ -1,0 +1,28 @@
+"""Stage D1's seesaw (head dim 512, K = V): its producer, leader and follower, taken from the
+kernel's own methods, finish under every interleaving and free each ring half only after the
+wgmma groups that read it (tests/seesaw_protocol.py says how)."""
+
+import cutlass
+import pytest
+from seesaw_protocol import check_controls, check_every_interleaving
+
+pytestmark = [pytest.mark.stage_d1, pytest.mark.proof, pytest.mark.arch("sm90")]
+
+
+def _kernel():
+    from dsv4_attention.common.arch import target_arch
+    from dsv4_attention.stages.d1_smem_p.sm90 import FlashAttentionD1Sm90
+
+    with target_arch("sm90"):
+        k = FlashAttentionD1Sm90(cutlass.BFloat16, 512, kv_shared=True)
+    assert k.seesaw
+    return k
+
+
+@pytest.mark.parametrize("n_blocks", range(1, 8))
+def test_every_interleaving_finishes_and_frees_only_read_halves(n_blocks, monkeypatch):
+    check_every_interleaving(_kernel(), n_blocks, monkeypatch)
+
+
+def test_checker_rejects_an_early_release_and_a_missing_one(monkeypatch):
+    check_controls(_kernel(), monkeypatch)
