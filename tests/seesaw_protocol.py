@@ -1,6 +1,8 @@
 """The seesaw's synchronisation checked over every interleaving (used by
 tests/test_d1_seesaw_protocol.py and tests/test_e_seesaw_protocol.py): no deadlock, no slot
-refilled while a wgmma still reads it.
+refilled while a wgmma still reads it. Two thin files rather than one parametrized over both
+kernels: a test file's imports are part of its stage's evidence scope (common/scope.py), and
+importing E's kernel from a D1 test would tie D1's GPU evidence to E's file.
 
 The three roles' operation sequences are taken from the kernels' own methods, run as plain Python
 with recording stand-ins for the ring, the handoffs and the wgmma calls (``seesaw_lead``,
