@@ -157,19 +157,21 @@ class KvChunkRing:
 
     @cute.jit
     def gemm_qk(self, t: cutlass.Int32, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-                tCrB: cute.Tensor, first_chunk: int = 0):
-        """Issue acc = A B as one wgmma group over tile use t's slot (``tCrB`` already indexed
+                tCrB: cute.Tensor, first_chunk: int = 0, chunks: int | None = None, accumulate: bool = False):
+        """Issue acc (+)= A B as one wgmma group over tile use t's slot (``tCrB`` already indexed
         by slot), waiting for chunk c's barrier before the k-steps that read it. The k-steps run
-        from chunk ``first_chunk`` on, wrapping around (the seesaw's follower starts on the half
-        its producer loads first)."""
+        over ``chunks`` chunks (all by default) from chunk ``first_chunk`` on, wrapping around (the
+        seesaw's follower starts on the half its producer loads first); ``accumulate`` adds to acc
+        (the second group of a QK issued half by half, the seesaw's leader)."""
         s = t % self.slots
         phase = (t // self.slots) & 1
         k_steps = cute.size(tCrA, mode=[2])
         per_chunk = k_steps // self.chunks
+        n_steps = k_steps if chunks is None else chunks * per_chunk
         warpgroup.fence()
         atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, False)
-        for i in cutlass.range_constexpr(k_steps):
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for i in cutlass.range_constexpr(n_steps):
             k = (i + first_chunk * per_chunk) % k_steps
             if cutlass.const_expr(k % per_chunk == 0):
                 cute.arch.mbarrier_wait(self.full + (s * self.chunks + k // per_chunk), phase)

@@ -823,22 +823,32 @@ class FlashAttentionD1Sm90:
                     softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
         """Warpgroup 0, pair k (tile a = visit 2k, tile b = visit 2k + 1, when ``has_b``):
 
-            S_a = Q K_a^T; [PV_bL of pair k - 1 done: release b's slot]; mask
+            S_a = Q K_a[L]^T (group); [PV_bL of pair k - 1 done: release b's first half]
+            S_a += Q K_a[R]^T (group); release a's second half; mask
             m_a = max(m, rowmax S_a) -> SMEM, hand over (handoff 0)      (the follower needs it)
             P_a = exp2(S_a - m_a); l = l r_a + sum P_a; O_L = O_L r_a + P_a V_a[:, L]   (RS)
+            [PV_aL done: release a's first half]
             wait for handoff 1; m_b from SMEM; r_b = exp2(m_a - m_b); l *= r_b
             P_a r_b -> sP[0], hand over (handoff 2)                  (the follower's PV_aR)
-            [PV_aL done: release a's slot]; O_L *= r_b; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
+            O_L *= r_b; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
 
-        so that after the pair O_L, l and m are all at m_b, the follower's max."""
+        so that after the pair O_L, l and m are all at m_b, the follower's max. QK over a is
+        issued half by half so that b's first half is freed as soon as the PV before it is done,
+        not after a's second half has landed (the whole QK's issue waits for it): the producer
+        loads a pair's halves in the order a.L, b.R, a.R, b.L, and b.L goes into that half, so
+        freeing it after a.R landed made the follower, whose QK ends on b.L, wait for two loads
+        in a row each pair (FlashMLA's leader frees it between its two QK groups too)."""
         qk_mma, pv_mma, pv_own_mma = mmas
         t = 2 * k
-        overlap = self.o_col1 < self.o_width
-        ring.gemm_qk(t, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, t % self.slots])
+        tSrK = ops.tSrK[None, None, None, t % self.slots]
+        ring.gemm_qk(t, qk_mma, acc_s, ops.tSrQ, tSrK, chunks=ring.r_chunk)
         if k > 0:  # pair k - 1's PV over P_b (issued before this QK) is done: b's slot is free to us
             warpgroup.wait_group(1)
             self.seesaw_release_b(ring, t - 1)
+        ring.gemm_qk(t, qk_mma, acc_s, ops.tSrQ, tSrK, first_chunk=ring.r_chunk, chunks=ring.chunks - ring.r_chunk,
+                     accumulate=True)
         warpgroup.wait_group(0)
+        overlap = self.o_col1 < self.o_width
         if cutlass.const_expr(not overlap):  # only this QK read the second half of tile a
             ring.release(t, 1)
         if t == 0:
@@ -852,17 +862,16 @@ class FlashAttentionD1Sm90:
         convert_p_packed(acc_s, r_p)
         scale_rows(acc_o, row_scale)
         gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t % self.slots], zero_init=False)
+        warpgroup.wait_group(0)  # PV_aL done: a's first half (and a top-k slot's list, read by the mask) is free
+        ring.release(t, 0)
+        if cutlass.const_expr(overlap):
+            ring.release(t, 1)
         # the follower's max (in the last pair without b: the leader's own, r_b = 1)
         handoffs[1].wait(k)
         row_scale = softmax.follow(self.read_max(stat_rows, row_stats, 1))
         scale_rows(acc_s, row_scale)
-        r_q = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # r_p is still the in-flight wgmma's A
-        store_p(acc_s, r_q, ops.tPsP[None, None, None, self.own_p_buffer(0)])
+        store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(0)])  # r_p is free: its PV is done
         handoffs[2].arrive()
-        warpgroup.wait_group(0)  # PV_aL done
-        ring.release(t, 0)
-        if cutlass.const_expr(overlap):
-            ring.release(t, 1)
         scale_rows(acc_o, row_scale)
         if cutlass.const_expr(has_b):
             ring.wait_full(t + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them

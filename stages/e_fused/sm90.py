@@ -23,30 +23,16 @@ whole producer warpgroup with cp.async (``gather_tile``) into the same ring slot
 barriers counting 128 arrivals (``producer_warps``, ``full_arrivals``). Index mode
 (``index_mode``, FlashMLA's sparse attention): the lists are a token's only keys, rows of one
 tensor (``IndexSpan``: no window tiles, every tile gathered).
-
-The seesaw's leader, for gathered tiles (``seesaw_lead``). A gathered half-tile lands a few
-microseconds after its copies are issued, and the producer issues a pair's halves in the order
-they are freed (a.L, b.R, a.R, b.L; stage D1), the last, b.L, into the half the leader frees when
-its PV over P_b of the previous pair is done. Stage D1's leader frees it after issuing its whole
-QK over tile a, and that issue waits for a.R, the third half-load: so b.L started only after a.R
-had landed, and the follower, whose QK ends on b.L, waited for two gathers in a row each pair.
-Here the leader issues QK over a.L as one wgmma group, frees b's first half as soon as the PV
-before it is done, then issues QK over a.R (FlashMLA's order); and it frees a.L right after its
-own PV over it, before it waits for the follower's max. The handoffs and the buffers' reuse
-argument (stage D1) are unchanged: every release is of the same reads, only earlier.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
-from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed
 from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit, l2_evict_last_policy
-from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP, gemm
-from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, gather_offset
-from dsv4_attention.common.smem_p import store_p
-from dsv4_attention.common.softmax import scale_rows
+from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
+from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
 
 GATHER_BYTES = ROW_UNIT_BYTES  # one cp.async: 8 bf16 columns of a row
@@ -183,70 +169,3 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
                 s_off = gather_offset(self.gather_row(tidx, p), unit, c, s, self.tile_n, self.head_dim) * elem
                 cp_async_row_unit(s_base + s_off, src_addr[p] + c * CHUNK_COLS * elem, src_bytes[p], policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(ring.full + (s * ring.chunks + c))
-
-    @cute.jit
-    def gemm_qk_chunks(self, ring: KvChunkRing, t, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-                       tCrB: cute.Tensor, first: int, end: int):
-        """One wgmma group of acc (+)= A B over chunks [first, end) of tile use t's slot, each
-        after its full barrier; the group starting at chunk 0 overwrites acc, a later one adds."""
-        s = t % ring.slots
-        phase = (t // ring.slots) & 1
-        per_chunk = cute.size(tCrA, mode=[2]) // ring.chunks
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, first > 0)
-        for c in cutlass.range_constexpr(first, end):
-            cute.arch.mbarrier_wait(ring.full + (s * ring.chunks + c), phase)
-            for i in cutlass.range_constexpr(c * per_chunk, (c + 1) * per_chunk):
-                cute.gemm(atom, acc, tCrA[None, None, i], tCrB[None, None, i], acc)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def seesaw_lead(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o,
-                    r_p, softmax, stat_rows, row_stats, span, n_blocks, first_row):
-        """Warpgroup 0, pair k, for gathered tiles (stage D1's leader otherwise; the module
-        docstring says what changes):
-
-            S_a = Q K_a[L]^T (group); [PV_bL of pair k - 1 done: release b's first half];
-            S_a += Q K_a[R]^T (group); release a's second half; mask
-            m_a -> SMEM, hand over (handoff 0); P_a, l, r_a; O_L = O_L r_a + P_a V_a[:, L] (RS)
-            [PV_aL done: release a's first half]; wait for handoff 1; m_b; r_b
-            P_a r_b -> sP[0], hand over (handoff 2); O_L *= r_b; O_L += P_b V_b[:, L] (SS)"""
-        if cutlass.const_expr(not self.has_topk):
-            FlashAttentionD5Sm90.seesaw_lead(self, k, has_b, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax,
-                                             stat_rows, row_stats, span, n_blocks, first_row)
-        else:
-            qk_mma, pv_mma, pv_own_mma = mmas
-            t = 2 * k
-            tSrK = ops.tSrK[None, None, None, t % self.slots]
-            self.gemm_qk_chunks(ring, t, qk_mma, acc_s, ops.tSrQ, tSrK, 0, ring.r_chunk)
-            if k > 0:  # pair k - 1's PV over P_b is done: b's first half goes to the producer now
-                warpgroup.wait_group(1)
-                ring.release(t - 1, 0)
-            self.gemm_qk_chunks(ring, t, qk_mma, acc_s, ops.tSrQ, tSrK, ring.r_chunk, ring.chunks)
-            warpgroup.wait_group(0)
-            ring.release(t, 1)  # the follower's PV over a's second half holds its own count
-            if t == 0:
-                self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=True)
-            else:
-                self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=False)
-            tile_max = softmax.tile_max(acc_s)
-            self.publish_max(softmax.new_max(tile_max), stat_rows, row_stats, 0)
-            handoffs[0].arrive()
-            row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max)
-            convert_p_packed(acc_s, r_p)
-            scale_rows(acc_o, row_scale)
-            gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t % self.slots], zero_init=False)
-            warpgroup.wait_group(0)  # PV_aL done: a's first half (and its staged list, read by the mask) is free
-            ring.release(t, 0)
-            handoffs[1].wait(k)  # the follower's max (without b: the leader's own, r_b = 1)
-            row_scale = softmax.follow(self.read_max(stat_rows, row_stats, 1))
-            scale_rows(acc_s, row_scale)
-            store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(0)])  # r_p is free again
-            handoffs[2].arrive()
-            scale_rows(acc_o, row_scale)
-            if cutlass.const_expr(has_b):
-                ring.wait_full(t + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them
-                gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(1)],
-                     ops.tOrV[None, None, None, (t + 1) % self.slots], zero_init=False)
