@@ -119,6 +119,15 @@ class _Collector:
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # One pytest-xdist worker per core already fills the machine; torch's CPU thread pool
+        # (one thread per core in each worker) on top of that oversubscribes it N-fold, and its
+        # spinning threads made small-tensor host proofs 200x slower on the 16-core GPU machine
+        # (A's store proofs: 250-290 s beside 16 workers, 1.4 s alone).
+        import torch
+
+        workers = int(config.workerinput.get("workercount", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     path = config.getoption("--results-json")
     if path and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Collector(path), "dsv4-results")

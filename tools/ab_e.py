@@ -4,6 +4,8 @@ index mode against FlashMLA (4 cases, ``bench.index_row``) and two CSA layers (`
     AB_LABEL=old python -m tools.ab_e out_old.json     # one process per version, caches off:
     AB_LABEL=new python -m tools.ab_e out_new.json     # DSV4_ATTENTION_DISABLE_CACHE=1 CUTE_DSL_DISABLE_FILE_CACHING=1
 
+``--dense`` adds stage D1's dense hd 512 K = V seesaw (128 heads, seqlen 4k and 8k) first.
+
 The versions alternate (old, new, old, new) on one warm GPU; FlashMLA's time in each process is
 the yardstick that shows how much the machine moved between them. The old version can be a
 commit: ``git archive REV dsv4_attention common stages tools | tar -x -C ab_old`` (list ``ab_old/``
@@ -19,12 +21,18 @@ import sys
 
 import torch
 
-from tools.bench import index_row, topk_row
+from tools.bench import attention_row, index_row, topk_row
 
 
-def main(path: str) -> None:
+def main(path: str, dense: bool = False) -> None:
     dev = torch.device("cuda")
     rows = []
+    if dense:  # D1's seesaw on the dense shape (hd 512, K = V, 128 heads on one KV head)
+        from dsv4_attention.stages import d1_smem_p
+
+        for s in (4096, 8192):
+            r = attention_row(d1_smem_p, dev, 1, 128, s, s, 512, kv_heads=1, kv_shared=True, peers=())
+            rows.append({"case": r["case"], "ours_ms": r["ours_ms"], "ours_tflops": r["ours_tflops"]})
     for h, k in ((64, 512), (128, 1024)):
         for s_kv in (8192, 32768):
             r = index_row(dev, h, k, s_kv)
@@ -42,4 +50,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], dense="--dense" in sys.argv[2:])
