@@ -29,6 +29,7 @@ import collections
 import sys
 
 import cutlass
+from plain_jit import plain
 
 WARPS = 4  # arrivals of one warpgroup's release (lane 0 of each warp, or every thread counted as its warp)
 
@@ -133,7 +134,7 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
     for name in ("mask_s", "publish_max", "read_max"):
         monkeypatch.setattr(k, name, lambda *a, **kw: _Anything(), raising=False)
     # the kernel's own helpers that release (jit methods), run as plain Python too
-    monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: type(k).seesaw_release_b.__wrapped__(k, ring, t),
+    monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: plain(type(k).seesaw_release_b)(k, ring, t),
                         raising=False)
     rec = {role: _Recorder(k, ops[role], 0) for role in ops}
     if hasattr(type(k), "gemm_qk_chunks"):  # E's leader issues its QK halves through this
@@ -142,7 +143,7 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
 
     # the producer (the kernel's load_pairs, its load_kv recording the half-loads)
     monkeypatch.setattr(k, "load_kv", lambda ring, t, n, *srcs, half=None: ring.load(t, half), raising=False)
-    type(k).load_pairs.__wrapped__(k, rec["producer"], n_blocks, (), (), 0)
+    plain(type(k).load_pairs)(k, rec["producer"], n_blocks, (), (), 0)
 
     # the consumers: stage D1's loop around seesaw_lead / seesaw_follow
     # acc_s, acc_o, r_p, softmax, stat_rows, row_stats, span, then n_blocks and first_row
@@ -154,7 +155,7 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
         for pair in range(n_blocks // 2 + n_blocks % 2):
             current["k"] = pair
             has_b = pair < n_blocks // 2
-            fn.__wrapped__(k, pair, has_b, mmas, rec[wg], handoffs, _Anything("ops"), *rest)
+            plain(fn)(k, pair, has_b, mmas, rec[wg], handoffs, _Anything("ops"), *rest)
         if wg == 0:
             ops[0].append(("wait_group", 0))
     return ops

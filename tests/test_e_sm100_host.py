@@ -35,6 +35,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
+from plain_jit import plain
 from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers, thread_replayer
 
 from dsv4_attention.common import kv_span
@@ -338,7 +339,7 @@ def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: i
 
         # the method's own source as plain Python: a traced `if` emits both branches (an scf.if),
         # so the recorder could not tell which one a tile takes; with Python ints Python picks it
-        load_k_block = type(kernel).load_k_block.__wrapped__
+        load_k_block = plain(type(kernel).load_k_block)
         cute.copy = record
         try:
             for n in range(span.n_tiles):
@@ -823,8 +824,8 @@ def topk_gather_copies(head_dim: int, options: dict, cls=FlashAttentionESm100, h
             got.setdefault(current, []).append(("rows", int(tile), int(first), n))
             return real_gather_rows(span_, tile, row0, first, n)
 
-        load_k_block = type(kernel).load_k_block.__wrapped__
-        gather_group = type(kernel).gather_group.__wrapped__
+        load_k_block = plain(type(kernel).load_k_block)
+        gather_group = plain(type(kernel).gather_group)
         real_gather_rows = kernel.gather_rows
         cute.copy, kernel.gather_rows = record, record_rows
         try:
