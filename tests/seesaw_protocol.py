@@ -137,9 +137,6 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
     monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: plain(type(k).seesaw_release_b)(k, ring, t),
                         raising=False)
     rec = {role: _Recorder(k, ops[role], 0) for role in ops}
-    if hasattr(type(k), "gemm_qk_chunks"):  # E's leader issues its QK halves through this
-        monkeypatch.setattr(k, "gemm_qk_chunks", lambda ring, t, mma, acc, a, b, first, end:
-                            ring.gemm_qk(t, mma, acc, a, b, first_chunk=first, chunks=end - first), raising=False)
 
     # the producer (the kernel's load_pairs, its load_kv recording the half-loads)
     monkeypatch.setattr(k, "load_kv", lambda ring, t, n, *srcs, half=None: ring.load(t, half), raising=False)
