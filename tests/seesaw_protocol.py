@@ -1,6 +1,7 @@
 """The seesaw's synchronisation checked over every interleaving (used by
 tests/test_d1_seesaw_protocol.py and tests/test_e_seesaw_protocol.py): no deadlock, no slot
-refilled while a wgmma still reads it. Two thin files rather than one parametrized over both
+refilled while a wgmma still reads it, no handed-over SMEM read before its write or overwritten
+before its read. Two thin files rather than one parametrized over both
 kernels: a test file's imports are part of its stage's evidence scope (common/scope.py), and
 importing E's kernel from a D1 test would tie D1's GPU evidence to E's file.
 
@@ -11,16 +12,22 @@ with recording stand-ins for the ring, the handoffs and the wgmma calls (``seesa
     producer   load(t, half): wait until the slot half's previous use was released, issue (it lands
                later, at any time)
     warpgroup  QK over chunks of tile t (its issue waits until they landed), PV over its own
-               half of a tile, wait_group(n) (groups finish in order, at any time), release(t, half)
-               (4 warp arrivals), handoff arrive / wait(round)
+               half of a tile (an SS PV also reads an sP buffer), wait_group(n) (groups finish in
+               order, at any time), release(t, half) (4 warp arrivals), handoff arrive /
+               wait(round), and the SMEM handed over: write / read of a row-max slot, write of an
+               sP buffer
 
 Every barrier is modelled as the hardware's parity wait: a wait for round r passes when the number
 of completed phases has the other parity than r, and the check also asserts it is exactly r + 1
 (a phase never lapped). A breadth-first search over all states of the three roles and the
 asynchronous events (a load landing, a wgmma group finishing) then proves, for 1 to 7 KV tiles,
-that every interleaving ends with all roles done and that each release comes after the wgmma
-groups that read that half. Negative controls: a release moved before the wait for the PV that
-reads the half (rejected as a read under refill) and a release removed (rejected as a deadlock).
+that every interleaving ends with all roles done, that each release comes after the wgmma
+groups that read that half, and that each handed-over SMEM buffer (the two row-max slots, the two
+sP buffers) is read exactly once per round, after that round's write and before the next (an SS
+PV's read ends when its group finishes). Negative controls: a release moved before the wait for
+the PV that reads the half (rejected as a read under refill), a release removed (a deadlock), a
+handoff signalled before its write (a read before the write), and a P_b write moved ahead of the
+ring wait that orders it after the leader's PV over the previous P_b (an overwrite under read).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import sys
 import cutlass
 from plain_jit import plain
 
+HANDOFFS = 8  # stand-ins handed to the kernel (it uses the first few; the checker counts those used)
 WARPS = 4  # arrivals of one warpgroup's release (lane 0 of each warp, or every thread counted as its warp)
 
 
@@ -103,7 +111,11 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
         wg = current["role"]
         parity = b.tag[1]  # the slot index of the V view, t % slots
         t = 2 * current["k"] + (parity % 2)
-        ops[wg].append(("pv", t, wg))
+        smem_p = isinstance(a, _Anything) and isinstance(a.tag, tuple) and a.tag[0] == "tOrP_smem"
+        ops[wg].append(("pv", t, wg, ("p", a.tag[1]) if smem_p else None))  # an SS PV reads sP[buffer] too
+
+    def record(*op):
+        ops[current["role"]].append(op)
 
     class Warpgroup:
         @staticmethod
@@ -119,9 +131,11 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
             pass
 
     for mod in modules:
-        for name in ("convert_p_packed", "scale_rows", "store_p", "as_a_operand"):
+        for name in ("convert_p_packed", "scale_rows", "as_a_operand"):
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, lambda *a, **k: _Anything())
+        if hasattr(mod, "store_p"):  # P -> sP[buffer] (its view's last index), fenced for the wgmma
+            monkeypatch.setattr(mod, "store_p", lambda acc, r, dst: record("write", ("p", dst.tag[1])))
         monkeypatch.setattr(mod, "warpgroup", Warpgroup, raising=False)
         monkeypatch.setattr(mod, "cute", _Anything(), raising=False)  # register tensors (make_rmem_tensor)
         monkeypatch.setattr(mod, "gemm", gemm, raising=False)
@@ -131,8 +145,11 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
             monkeypatch.setattr(mod, "load_q", lambda *a: None)
 
     k = kernel
-    for name in ("mask_s", "publish_max", "read_max"):
-        monkeypatch.setattr(k, name, lambda *a, **kw: _Anything(), raising=False)
+    monkeypatch.setattr(k, "mask_s", lambda *a, **kw: _Anything(), raising=False)
+    # the row-max slots in SMEM: warpgroup wg writes slot wg, the other reads it
+    monkeypatch.setattr(k, "publish_max", lambda m, rows, stats, wg: record("write", ("m", wg)), raising=False)
+    monkeypatch.setattr(k, "read_max", lambda rows, stats, wg: record("read", ("m", wg)) or _Anything(),
+                        raising=False)
     # the kernel's own helpers that release (jit methods), run as plain Python too
     monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: plain(type(k).seesaw_release_b)(k, ring, t),
                         raising=False)
@@ -148,7 +165,7 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
     mmas = (_Anything(), _Anything(), _Anything())
     for wg, fn in ((0, kernel_cls.seesaw_lead), (1, kernel_cls.seesaw_follow)):
         current["role"] = wg
-        handoffs = [_Handoff(ops[wg], i) for i in range(3)]
+        handoffs = [_Handoff(ops[wg], i) for i in range(HANDOFFS)]
         for pair in range(n_blocks // 2 + n_blocks % 2):
             current["k"] = pair
             has_b = pair < n_blocks // 2
@@ -164,12 +181,19 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
     slots = kernel.slots
     need = kernel.seesaw_halves()  # [slot parity][half]: warps that release a half
     roles = ("producer", 0, 1)
-    start = ((0, 0, 0), (), (), frozenset(), ((), ()), (0, 0, 0))
+    n_handoffs = 1 + max(op[1] for role in roles for op in ops[role] if op[0] in ("arrive", "wait_h"))
+    start = ((0, 0, 0), (), (), frozenset(), ((), ()), (0,) * n_handoffs, ())
     # state: pcs, landed[(slot, half)] counts as a sorted tuple, empty arrivals likewise,
-    # loads in flight, groups in flight per warpgroup (tuples of read sets), handoff completions
+    # loads in flight, groups in flight per warpgroup (each: its ring reads, the sP buffer it reads
+    # or None), handoff completions, and per SMEM handoff buffer (a row-max slot, an sP buffer)
+    # (rounds written, rounds read): a round is read once, synchronously (read_max) or by an SS PV
+    # when its group finishes
 
     def get(pairs, key):
         return dict(pairs).get(key, 0)
+
+    def get_wr(pairs, key):
+        return dict(pairs).get(key, (0, 0))
 
     def put(pairs, key, value):
         d = dict(pairs)
@@ -178,17 +202,20 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
 
     seen, todo = {start}, collections.deque([start])
     while todo:
-        pcs, landed, empty, flying, groups, hand = todo.popleft()
+        pcs, landed, empty, flying, groups, hand, bufs = todo.popleft()
         succ = []
         # asynchronous events: a load lands; the oldest group of a warpgroup finishes
         for t, h in flying:
             s = t % slots
-            succ.append((pcs, put(landed, (s, h), get(landed, (s, h)) + 1), empty, flying - {(t, h)}, groups, hand))
+            succ.append((pcs, put(landed, (s, h), get(landed, (s, h)) + 1), empty, flying - {(t, h)}, groups, hand,
+                         bufs))
         for wg in (0, 1):
             if groups[wg]:
                 g = list(groups)
                 g[wg] = groups[wg][1:]
-                succ.append((pcs, landed, empty, flying, tuple(g), hand))
+                buf = groups[wg][0][1]
+                done_bufs = bufs if buf is None else put(bufs, buf, (get_wr(bufs, buf)[0], get_wr(bufs, buf)[1] + 1))
+                succ.append((pcs, landed, empty, flying, tuple(g), hand, done_bufs))
         for i, role in enumerate(roles):
             if pcs[i] == len(ops[role]):
                 continue
@@ -205,10 +232,10 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                     if use > 0 and phases != use:
                         return f"load of tile {t} half {h}: empty barrier lapped ({phases} phases, use {use})"
                     for wg in (0, 1):
-                        for reads in groups[wg]:
+                        for reads, _ in groups[wg]:
                             if any(r[0] % slots == s and r[0] < t and r[1] == h for r in reads):
                                 return f"load of tile {t} half {h} while warpgroup {wg} still reads it"
-                    succ.append((nxt, landed, empty, flying | {(t, h)}, groups, hand))
+                    succ.append((nxt, landed, empty, flying | {(t, h)}, groups, hand, bufs))
             elif kind in ("qk", "wait_full"):
                 t, halves = op[1], op[2]
                 s, use = t % slots, t // slots
@@ -218,32 +245,47 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                         return f"{kind} of tile {t}: full barrier lapped"
                     g = list(groups)
                     if kind == "qk":
-                        g[role] = groups[role] + (tuple((t, h) for h in halves),)
-                    succ.append((nxt, landed, empty, flying, tuple(g), hand))
+                        g[role] = groups[role] + ((tuple((t, h) for h in halves), None),)
+                    succ.append((nxt, landed, empty, flying, tuple(g), hand, bufs))
             elif kind == "pv":
+                buf = op[3]
+                if buf is not None and get_wr(bufs, buf)[0] != get_wr(bufs, buf)[1] + 1:
+                    return f"warpgroup {role}'s PV reads {buf} before its round is written ({get_wr(bufs, buf)})"
                 g = list(groups)
-                g[role] = groups[role] + (((op[1], op[2]),),)
-                succ.append((nxt, landed, empty, flying, tuple(g), hand))
+                g[role] = groups[role] + ((((op[1], op[2]),), buf),)
+                succ.append((nxt, landed, empty, flying, tuple(g), hand, bufs))
             elif kind == "wait_group":
                 if len(groups[role]) <= op[1]:
-                    succ.append((nxt, landed, empty, flying, groups, hand))
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs))
             elif kind == "release":
                 t, h = op[1], op[2]
-                if any((t, h) in reads for reads in groups[role]):
+                if any((t, h) in reads for reads, _ in groups[role]):
                     return f"warpgroup {role} releases tile {t} half {h} while its wgmma still reads it"
                 s = t % slots
-                succ.append((nxt, landed, put(empty, (s, h), get(empty, (s, h)) + WARPS), flying, groups, hand))
+                succ.append((nxt, landed, put(empty, (s, h), get(empty, (s, h)) + WARPS), flying, groups, hand, bufs))
+            elif kind == "write":
+                written, read = get_wr(bufs, op[1])
+                if read < written:
+                    return f"warpgroup {role} overwrites {op[1]} before its round {written - 1} was read"
+                succ.append((nxt, landed, empty, flying, groups, hand, put(bufs, op[1], (written + 1, read))))
+            elif kind == "read":
+                written, read = get_wr(bufs, op[1])
+                if written != read + 1:
+                    return f"warpgroup {role} reads {op[1]} before its round is written ({written}, {read} read)"
+                succ.append((nxt, landed, empty, flying, groups, hand, put(bufs, op[1], (written, read + 1))))
             elif kind == "arrive":
                 hd = list(hand)
                 hd[op[1]] += 1
-                succ.append((nxt, landed, empty, flying, groups, tuple(hd)))
+                succ.append((nxt, landed, empty, flying, groups, tuple(hd), bufs))
             elif kind == "wait_h":
                 i_h, r = op[1], op[2]
                 if hand[i_h] % 2 != r % 2:
                     if hand[i_h] != r + 1:
                         return f"handoff {i_h} round {r}: lapped ({hand[i_h]} rounds)"
-                    succ.append((nxt, landed, empty, flying, groups, hand))
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs))
         done = all(pcs[i] == len(ops[r]) for i, r in enumerate(roles)) and not flying and not any(groups)
+        if done and any(w != r for _, (w, r) in bufs):
+            return f"a handoff buffer written but never read: {bufs}"
         if not succ and not done:
             at = {r: ops[r][pcs[i]] if pcs[i] < len(ops[r]) else "done" for i, r in enumerate(roles)}
             return f"deadlock: {at}"
@@ -266,8 +308,9 @@ def check_every_interleaving(kernel, n_blocks: int, monkeypatch) -> None:
 
 def check_controls(kernel, monkeypatch) -> None:
     """Negative controls: the follower frees a's second half before waiting for its PV over it
-    (a read under refill), and the leader never frees b's first half of the first pair (the
-    producer's fourth load of the second pair waits forever)."""
+    (a read under refill), the leader never frees b's first half of the first pair (the
+    producer's fourth load of the second pair waits forever), and two on the SMEM handed over
+    (below)."""
     ops = trace(kernel, 4, monkeypatch)
     follower = ops[1]
     last = max(i for i, op in enumerate(follower) if op[0] == "release")
@@ -277,3 +320,15 @@ def check_controls(kernel, monkeypatch) -> None:
     leader = ops[0]
     first_b = next(i for i, op in enumerate(leader) if op == ("release", 1, 0))
     assert "deadlock" in check(kernel, {**ops, 0: leader[:first_b] + leader[first_b + 1:]})
+    # the SMEM handed over: the follower signals its max before writing it (read before written),
+    # and writes P_b of pair 1 as soon as pair 0 is done, before its QK over tile 3 (whose load
+    # waits for the leader's PV over P_b of pair 0, as does handoff 0 of pair 1): overwritten
+    # while being read
+    i_max = follower.index(("write", ("m", 1)))
+    i_arrive = follower.index(("arrive", 1), i_max)
+    early_max = follower[:i_max] + [("arrive", 1)] + follower[i_max:i_arrive] + follower[i_arrive + 1:]
+    assert "before its round is written" in check(kernel, {**ops, 1: early_max})
+    qk_3 = next(i for i, op in enumerate(follower) if op[:2] == ("qk", 3))
+    write_p = next(i for i in range(qk_3, len(follower)) if follower[i] == ("write", ("p", 1)))
+    early_p = follower[:qk_3] + [follower[write_p]] + follower[qk_3:write_p] + follower[write_p + 1:]
+    assert "overwrites ('p', 1)" in check(kernel, {**ops, 1: early_p})

@@ -1,6 +1,6 @@
 """Stage D1's seesaw (head dim 512, K = V): its producer, leader and follower, taken from the
-kernel's own methods, finish under every interleaving and free each ring half only after the
-wgmma groups that read it (tests/seesaw_protocol.py says how)."""
+kernel's own methods, finish under every interleaving, free each ring half only after the
+wgmma groups that read it and hand SMEM over without a race (tests/seesaw_protocol.py says how)."""
 
 import cutlass
 import pytest

@@ -1,6 +1,7 @@
-"""Stage E's seesaw for gathered tiles (index mode: E's leader, D1's follower and producer): the
-three roles, taken from the kernel's own methods, finish under every interleaving and free each
-ring half only after the wgmma groups that read it (tests/seesaw_protocol.py says how)."""
+"""Stage E's seesaw for gathered tiles (index mode: D1's leader, follower and producer order,
+over E's gathered tiles): the three roles, taken from the kernel's own methods, finish under
+every interleaving, free each ring half only after the wgmma groups that read it and hand SMEM
+over without a race (tests/seesaw_protocol.py says how)."""
 
 import cutlass
 import pytest
