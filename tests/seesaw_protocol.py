@@ -3,7 +3,8 @@ tests/test_d1_seesaw_protocol.py and tests/test_e_seesaw_protocol.py): no deadlo
 refilled while a wgmma still reads it, no handed-over SMEM read before its write or overwritten
 before its read. Two thin files rather than one parametrized over both
 kernels: a test file's imports are part of its stage's evidence scope (common/scope.py), and
-importing E's kernel from a D1 test would tie D1's GPU evidence to E's file.
+importing E's kernel from a D1 test would tie D1's GPU evidence to E's file. Each file binds
+``protocol_tests`` to its kernel.
 
 The three roles' operation sequences are taken from the kernels' own methods, run as plain Python
 with recording stand-ins for the ring, the handoffs and the wgmma calls (``seesaw_lead``,
@@ -36,6 +37,7 @@ import collections
 import sys
 
 import cutlass
+import pytest
 from plain_jit import plain
 
 HANDOFFS = 8  # stand-ins handed to the kernel (it uses the first few; the checker counts those used)
@@ -332,3 +334,27 @@ def check_controls(kernel, monkeypatch) -> None:
     write_p = next(i for i in range(qk_3, len(follower)) if follower[i] == ("write", ("p", 1)))
     early_p = follower[:qk_3] + [follower[write_p]] + follower[qk_3:write_p] + follower[write_p + 1:]
     assert "overwrites ('p', 1)" in check(kernel, {**ops, 1: early_p})
+
+
+def protocol_tests(kernel_cls, **options):
+    """The two tests of one seesaw kernel (hd 512, bf16, ``options``), for a stage's test file to
+    bind at module level under its own marks: every interleaving for 1-7 KV tiles, and the
+    negative controls."""
+
+    def make():
+        from dsv4_attention.common.arch import target_arch
+
+        with target_arch("sm90"):
+            k = kernel_cls(cutlass.BFloat16, 512, **options)
+        assert k.seesaw
+        return k
+
+    @pytest.mark.parametrize("n_blocks", range(1, 8))
+    def every_interleaving(n_blocks, monkeypatch):
+        check_every_interleaving(make(), n_blocks, monkeypatch)
+
+    def controls(monkeypatch):
+        check_controls(make(), monkeypatch)
+
+    return every_interleaving, controls
+

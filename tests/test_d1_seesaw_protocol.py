@@ -2,27 +2,12 @@
 kernel's own methods, finish under every interleaving, free each ring half only after the
 wgmma groups that read it and hand SMEM over without a race (tests/seesaw_protocol.py says how)."""
 
-import cutlass
 import pytest
-from seesaw_protocol import check_controls, check_every_interleaving
+from seesaw_protocol import protocol_tests
+
+from dsv4_attention.stages.d1_smem_p.sm90 import FlashAttentionD1Sm90
 
 pytestmark = [pytest.mark.stage_d1, pytest.mark.proof, pytest.mark.arch("sm90")]
 
-
-def _kernel():
-    from dsv4_attention.common.arch import target_arch
-    from dsv4_attention.stages.d1_smem_p.sm90 import FlashAttentionD1Sm90
-
-    with target_arch("sm90"):
-        k = FlashAttentionD1Sm90(cutlass.BFloat16, 512, kv_shared=True)
-    assert k.seesaw
-    return k
-
-
-@pytest.mark.parametrize("n_blocks", range(1, 8))
-def test_every_interleaving_finishes_and_frees_only_read_halves(n_blocks, monkeypatch):
-    check_every_interleaving(_kernel(), n_blocks, monkeypatch)
-
-
-def test_checker_rejects_an_early_release_and_a_missing_one(monkeypatch):
-    check_controls(_kernel(), monkeypatch)
+test_every_interleaving_finishes_and_frees_only_read_halves, test_checker_rejects_an_early_release_and_a_missing_one = (
+    protocol_tests(FlashAttentionD1Sm90, kv_shared=True))
