@@ -334,6 +334,11 @@ def check_controls(kernel, monkeypatch) -> None:
     write_p = next(i for i in range(qk_3, len(follower)) if follower[i] == ("write", ("p", 1)))
     early_p = follower[:qk_3] + [follower[write_p]] + follower[qk_3:write_p] + follower[write_p + 1:]
     assert "overwrites ('p', 1)" in check(kernel, {**ops, 1: early_p})
+    # the leader's SS PV over P_b without its wait for the follower's P (handed over apart from
+    # the max): a read before the write
+    no_wait_p = [op for op in leader if op[:2] != ("wait_h", 3)]
+    assert len(no_wait_p) < len(leader)
+    assert "reads ('p', 1) before its round is written" in check(kernel, {**ops, 0: no_wait_p})
 
 
 def protocol_tests(kernel_cls, **options):

@@ -5,6 +5,7 @@ are in tests/test_d34_sm100_host.py.)"""
 
 import random
 
+import cutlass
 import pytest
 import torch
 
@@ -37,6 +38,22 @@ CASES = [
     pytest.param(s, d, o, id=f"{s}-hd{d}-{o}", marks=getattr(pytest.mark, f"stage_{s}")) for s, d, o in CASES])
 def test_sm90_compiles_within_budget(stage_id, head_dim, options):
     assert_within_budget(stage_id, "sm90", "bfloat16", head_dim, options=options)
+
+
+@pytest.mark.stage_d3
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_kernels_refuse_seqused_k_with_varlen(arch):
+    import importlib
+
+    from dsv4_attention.common.arch import target_arch
+
+    cls = getattr(importlib.import_module(f"dsv4_attention.stages.d3_lengths.{arch}"),
+                  f"FlashAttentionD3{arch.capitalize()}")
+    with target_arch(arch):
+        with pytest.raises(ValueError, match="seqused_k with varlen"):
+            cls(cutlass.BFloat16, 128, seqused_k=True, varlen=True)
+        assert cls(cutlass.BFloat16, 128, seqused_k=True).uses_seqused_k  # either alone is served
+        assert cls(cutlass.BFloat16, 128, varlen=True).varlen
 
 
 @pytest.mark.stage_d3

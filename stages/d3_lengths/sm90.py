@@ -33,6 +33,8 @@ from dsv4_attention.stages.d2_pack_heads.sm90 import FlashAttentionD2Sm90
 class FlashAttentionD3Sm90(FlashAttentionD2Sm90):
     def __init__(self, dtype, head_dim: int, *, seqused_k: bool = False, varlen: bool = False, **options):
         super().__init__(dtype, head_dim, **options)
+        if seqused_k and varlen:  # as sm100's: the public API refuses it too, this guards direct use
+            raise ValueError("seqused_k with varlen is not supported: each request's keys come from cu_seqlens_k")
         self.uses_seqused_k = bool(seqused_k)
         self.varlen = bool(varlen)
 
