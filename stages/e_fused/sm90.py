@@ -15,7 +15,8 @@ Per Q tile (rows = tokens t_lo .. t_hi), tiles in one index space (``FusedSpan``
 visited last-first as before: the window's tiles (its first visit holds the diagonal), then the
 compressed ones from the last (the only one a row can see partly) down to 0. Seams used, all in
 stage D1's skeleton: ``kv_span`` (the fused span), ``load_kv`` (the producer's source per tile:
-one runtime branch between two TMA descriptors of the same box), ``masks_inner_tiles``.
+one runtime branch between two TMA descriptors of the same box), ``masks_inner_tiles``, ``q_first``
+(top-k: Q's TMA ahead of the first gathered tile, whose issue waits for its index list).
 
 Top-k (``has_topk``, DeepSeek-V4's CSA layers): compressed tile n is list positions [64 n, 64 n + 64)
 of the Q tile's one token (``TopkSpan``; pack_group a multiple of tile_m), its rows gathered by the
@@ -83,6 +84,11 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
 
     def masks_inner_tiles(self) -> bool:
         return super().masks_inner_tiles() or self.has_compressed
+
+    def q_first(self) -> bool:
+        # a gathered tile's first half-load waits for its index list (the producer warps load it
+        # first); Q's TMA issued ahead of it overlaps that wait
+        return self.has_topk
 
     @cute.jit
     def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather, half=None):
