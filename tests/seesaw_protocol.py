@@ -27,8 +27,9 @@ groups that read that half, and that each handed-over SMEM buffer (the two row-m
 sP buffers) is read exactly once per round, after that round's write and before the next (an SS
 PV's read ends when its group finishes). Negative controls: a release moved before the wait for
 the PV that reads the half (rejected as a read under refill), a release removed (a deadlock), a
-handoff signalled before its write (a read before the write), and a P_b write moved ahead of the
-ring wait that orders it after the leader's PV over the previous P_b (an overwrite under read).
+handoff signalled before its write (a read before the write), a P_b write moved ahead of the
+ring wait that orders it after the leader's PV over the previous P_b (an overwrite under read),
+and P_b written after the handoff that announces it (a read before the write).
 """
 
 from __future__ import annotations
@@ -334,11 +335,13 @@ def check_controls(kernel, monkeypatch) -> None:
     write_p = next(i for i in range(qk_3, len(follower)) if follower[i] == ("write", ("p", 1)))
     early_p = follower[:qk_3] + [follower[write_p]] + follower[qk_3:write_p] + follower[write_p + 1:]
     assert "overwrites ('p', 1)" in check(kernel, {**ops, 1: early_p})
-    # the leader's SS PV over P_b without its wait for the follower's P (handed over apart from
-    # the max): a read before the write
-    no_wait_p = [op for op in leader if op[:2] != ("wait_h", 3)]
-    assert len(no_wait_p) < len(leader)
-    assert "reads ('p', 1) before its round is written" in check(kernel, {**ops, 0: no_wait_p})
+    # P_b announced before it is written: the follower's write of sP[1] moved past the handoff
+    # that announces it (1, with its max): the leader's SS PV reads it first
+    announce = ("arrive", 1)
+    i_p = follower.index(("write", ("p", 1)))
+    i_announce = follower.index(announce, i_p)
+    late_p = follower[:i_p] + follower[i_p + 1:i_announce + 1] + [follower[i_p]] + follower[i_announce + 1:]
+    assert "reads ('p', 1) before its round is written" in check(kernel, {**ops, 1: late_p})
 
 
 def protocol_tests(kernel_cls, **options):

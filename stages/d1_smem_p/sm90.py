@@ -64,10 +64,8 @@ Why the seesaw's SMEM is free when written (one buffer each):
     which the follower gives after waiting for its PV over P_a(k) (the end of its pair k). The
     max slots: the follower reads the leader's before handing over 1, after which the leader
     writes the next; the leader reads the follower's before handing over 0 of the next pair,
-    after which the follower writes again. The follower hands its max over (1) apart from P_b
-    (3), so the leader rescales and stores P_a while the follower still writes P_b (FlashMLA's
-    order); the leader's SS PV waits for 3. The pair without b (odd tile count) keeps handoffs
-    0-2 (the follower hands over its max unchanged) and has no P_b, so no handoff 3.
+    after which the follower writes again. The pair without b (odd tile count) keeps every
+    handoff (the follower hands over its max unchanged), so the protocol never changes shape.
 
 K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot K-major, PV
     reads the same bytes MN-major; the slot is released after PV, so the ring needs >= 2 slots
@@ -90,10 +88,9 @@ Pipelines and barriers
                    consumer warp.
     ROW_STATS      split: 256 consumer threads, between the row-max (row-sum) writes and reads;
                    seesaw: the final row sums.
-    handoffs       seesaw: four mbarriers (common/sm90_barriers.Handoff), one warpgroup's 128
+    handoffs       seesaw: three mbarriers (common/sm90_barriers.Handoff), one warpgroup's 128
                    threads arrive after their SMEM writes, the other waits (parity = pair & 1):
-                   the leader's max; the follower's max; the leader's rescaled P_a; the
-                   follower's P_b.
+                   the leader's max; the follower's max and P_b; the leader's rescaled P_a.
     P_READY(_WGw)  after the P stores and their async-proxy fence, before any PV reads them.
     EPILOGUE       sQ free for O, then O in SMEM for the TMA store (common/sm90_epilogue.py).
 
@@ -143,7 +140,6 @@ from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
 MAX_SLOTS = 4
-SEESAW_HANDOFFS = 4  # the leader's max, the follower's max, the leader's P_a, the follower's P_b
 
 
 def split_columns(head_dim: int) -> tuple[int, int]:
@@ -341,8 +337,8 @@ class FlashAttentionD1Sm90:
         @cute.struct
         class SharedStorage:
             q_bar: cutlass.Int64
-            # seesaw: the leader's max, the follower's max, the leader's P, the follower's P (Handoff)
-            handoffs: cute.struct.MemRange[cutlass.Int64, SEESAW_HANDOFFS]
+            # seesaw: the leader's max, the follower's max and P, the leader's P (Handoff)
+            handoffs: cute.struct.MemRange[cutlass.Int64, 3]
             k_bars: cute.struct.MemRange[cutlass.Int64, bars_a]
             v_bars: cute.struct.MemRange[cutlass.Int64, bars_b]
             # split: [warpgroup, row] row max, then row sum, of the 64 shared rows
@@ -494,7 +490,7 @@ class FlashAttentionD1Sm90:
 
             storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
             q_bar = storage.q_bar.ptr
-            handoffs = [Handoff(storage.handoffs.data_ptr() + i) for i in range(SEESAW_HANDOFFS)]
+            handoffs = [Handoff(storage.handoffs.data_ptr() + i) for i in range(3)]
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(q_bar, 1)
@@ -661,9 +657,9 @@ class FlashAttentionD1Sm90:
             self.load_kv(ring, n_last, 0, *srcs, half=1)
 
     def q_first(self) -> bool:
-        """seesaw: issue Q's TMA before the first KV half-load. A TMA half-load is one issue, so Q
-        goes right after it (the consumers need both); a load whose issue waits on something
-        (the fused stage's gathered rows, behind their index loads) is better issued after Q."""
+        """seesaw: issue Q's TMA before the first KV half-load. A TMA half-load is one issue, so
+        here Q goes right after it (the consumers need both); a load whose issue waits on
+        something (the fused stage's gathered rows, behind their index lists) goes after Q."""
         return False
 
     @cute.jit
@@ -784,7 +780,7 @@ class FlashAttentionD1Sm90:
         """Pairs of KV tiles (a, b) = visits (2k, 2k + 1): the leader computes S_a, the follower
         S_b, each over the whole head dim, and each adds both tiles' P V to its O columns. See
         ``seesaw_lead`` / ``seesaw_follow`` for one pair; an odd tile count ends with a pair
-        that has no b. ``handoffs``: [leader's max, follower's max, leader's P, follower's P]."""
+        that has no b. ``handoffs``: [leader's max, follower's max and P, leader's P]."""
         qk_mma, pv_mma, span, row_stats = c.qk_mma, c.pv_mma, c.span, c.row_stats
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -845,7 +841,7 @@ class FlashAttentionD1Sm90:
             [PV_aL done: release a's first half]
             wait for handoff 1; m_b from SMEM; r_b = exp2(m_a - m_b); l *= r_b
             P_a r_b -> sP[0], hand over (handoff 2)                  (the follower's PV_aR)
-            O_L *= r_b; wait for handoff 3; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
+            O_L *= r_b; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
 
         so that after the pair O_L, l and m are all at m_b, the follower's max. QK over a is
         issued half by half so that b's first half is freed as soon as the PV before it is done,
@@ -890,7 +886,6 @@ class FlashAttentionD1Sm90:
         scale_rows(acc_o, row_scale)
         if cutlass.const_expr(has_b):
             ring.wait_full(t + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them
-            handoffs[3].wait(k)  # P_b in sP[1]
             gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(1)],
                  ops.tOrV[None, None, None, (t + 1) % self.slots], zero_init=False)
 
@@ -902,14 +897,13 @@ class FlashAttentionD1Sm90:
             S_b = Q K_b^T; mask; [release b's first half]; tile max    (while the leader works on a)
             wait for handoff 0; m_a from SMEM
             m_b = max(m_a, rowmax S_b); P_b = exp2(S_b - m_b); r = exp2(m - m_b); l = l r + sum P_b
-            m_b -> SMEM, hand over (handoff 1)               (the leader rescales P_a meanwhile)
-            P_b -> sP[1], hand over (handoff 3)
+            m_b -> SMEM, P_b -> sP[1], hand over (handoff 1)
             O_R = O_R r + P_b V_b[:, R]                  (RS)
             wait for handoff 2; O_R += (P_a r_b) V_a[:, R]   (SS, from sP[0])
             wait both PVs, release their halves
 
         Without b (the last pair of an odd count) the follower only adopts m_a (r = exp2(m - m_a))
-        and adds P_a V_a[:, R]; there is no P_b, so no handoff 3."""
+        and adds P_a V_a[:, R]."""
         qk_mma, pv_mma, pv_own_mma = mmas
         t_a = 2 * k
         t_b = t_a + 1
@@ -928,10 +922,9 @@ class FlashAttentionD1Sm90:
         else:
             row_scale = softmax.follow(m_lead)
         self.publish_max(softmax.row_max, stat_rows, row_stats, 1)
-        handoffs[1].arrive()  # apart from P_b: the leader's rescale of P_a needs only the max
         if cutlass.const_expr(has_b):
             store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(1)])  # r_p: also its RS operand
-            handoffs[3].arrive()
+        handoffs[1].arrive()
         scale_rows(acc_o, row_scale)
         if cutlass.const_expr(has_b):
             gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t_b % self.slots],
