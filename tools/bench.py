@@ -407,6 +407,18 @@ def graph_ms(calls: list, per_graph: int = 16) -> float:
     return ms
 
 
+def replayed_ms(calls: dict, what: str) -> dict:
+    """{name: ms of one call replayed from a CUDA graph (4 a graph)} for each named call, beside a
+    row's eager times; a call that cannot be captured is reported and left out."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            out[name] = round(graph_ms([call], per_graph=4), 4)
+        except Exception as e:  # noqa: BLE001 - reported; the eager row stands
+            print(f"graph replay of {name} {what} failed: {type(e).__name__}: {e}"[:300], flush=True)
+    return out
+
+
 def decode_row(dev, sq: int, sk: int, topk: int | None, copy: float) -> dict:
     """DeepSeek-V4 decode: 64 requests x ``sq`` tokens, 128 heads, one K = V head of hd 512, window
     (127, 0) + compressed entries (HCA: all visible at ratio 128; CSA: ``topk`` at ratio 4). Small
@@ -497,12 +509,7 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
     # (a synchronisation that leaves the GPU idle while the host packs the launch), FlashMLA's call
     # checks nothing. Replayed from CUDA graphs (the value checks are skipped under capture) the two
     # kernels are timed alone.
-    row["graph_ms"] = {}
-    for name, c in calls.items():
-        try:
-            row["graph_ms"][name] = round(graph_ms([c], per_graph=4), 4)
-        except Exception as e:  # noqa: BLE001 - reported; the eager row stands
-            print(f"graph replay of {name} index mode failed: {type(e).__name__}: {e}"[:300], flush=True)
+    row["graph_ms"] = replayed_ms(calls, "index mode")
     print(f"stage e {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {row['peers']} "
           f"max|diff| {row.get('max_abs_diff_vs_flashmla')}  graph-replayed ms {row['graph_ms']}", flush=True)
     return row
@@ -583,12 +590,7 @@ def varlen_row(stage, dev, d, h, hk, requests=16, seed=0) -> dict:
     # The eager times above bracket each call's host work; ours validates the offsets with a read-back
     # (a synchronisation, which exposes the host time after it), FlashAttention-4 does not. Replayed
     # from CUDA graphs (max_seqlen given, so both capture) the two kernels are timed alone.
-    row["graph_ms"] = {}
-    for name, call in calls.items():
-        try:
-            row["graph_ms"][name] = round(graph_ms([call], per_graph=4), 4)
-        except Exception as e:  # noqa: BLE001 - reported; the eager row stands
-            print(f"graph replay of {name} varlen failed: {type(e).__name__}: {e}"[:300], flush=True)
+    row["graph_ms"] = replayed_ms(calls, "varlen")
     print(f"stage {stage.ID} {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {row['peers']}  "
           f"graph-replayed ms {row['graph_ms']}", flush=True)
     return row
