@@ -11,9 +11,10 @@ the yardstick that shows how much the machine moved between them. The old versio
 commit: ``git archive REV dsv4_attention common stages tools | tar -x -C ab_old`` (list ``ab_old/``
 in .git/info/exclude and name it in the device call's carry), then run the old process from
 inside it (``cd ab_old && source ../.device/env.sh && AB_LABEL=old python3 -m tools.ab_e ...``:
-env.sh puts the current folder first on PYTHONPATH). The runs of 2026-11-25 are in
+env.sh puts the current folder first on PYTHONPATH). Keep only the JSON files under $OUT (a call
+brings back at most 8 files): send each process's log to /tmp and print its tail. The runs of 2026-11-25 are in
 ``docs/results/experiments/ab_e_gather_h100.json`` and ``ab_e_lead_split_h100.json`` (stage E's
-page: the profile and what was tried)."""
+page: the profile and what was tried), those of 2026-11-26 in ``ab_split_handoff_h200.json``."""
 
 import json
 import os
