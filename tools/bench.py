@@ -488,13 +488,13 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
 
     q, kv, idx, sink, scale = index_inputs(dev, heads, k, s_kv, s_q)
     o = torch.empty_like(q)
-    ms = bench.time_ms([lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale, out=o)])
+    calls = {"ours": lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale, out=o)}
+    ms = bench.time_ms([calls["ours"]])
     flop = 4 * s_q * k * heads * 512
     row = {"stage": "e", "case": f"index mode h{heads} top-{k} sq{s_q} s_kv{s_kv} hd512 k_eq_v sink bf16",
            "head_dim": 512, "seqlen": s_kv, "kind": "index mode (FlashMLA sparse prefill's function)",
            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {},
            "time_ratio_vs": {}}
-    calls = {"ours": lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale, out=o)}
     try:
         import flashmla_peer
 

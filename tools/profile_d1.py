@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_attention.common.testing import random_bshd
+from tools.profile_e import launch_profiled
 
 
 def main() -> int:
@@ -25,12 +26,7 @@ def main() -> int:
     torch.manual_seed(0)
     q = random_bshd(1, 4096, 128, 512, torch.bfloat16, dev)
     kv = random_bshd(1, 4096, 1, 512, torch.bfloat16, dev)
-    d1_smem_p.forward(q, kv, kv)  # warm-up: compile and first launch
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("profiled")
-    d1_smem_p.forward(q, kv, kv)
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    launch_profiled([("D1 hd512 K = V s4096", lambda: d1_smem_p.forward(q, kv, kv))])
     return 0
 
 
