@@ -1,5 +1,6 @@
-"""Stage E's gather-bound cases in one process, for an A/B of two versions of the kernel code:
-index mode against FlashMLA (4 cases, ``bench.index_row``) and two CSA layers (``bench.topk_row``).
+"""Stage E's cases in one process, for an A/B of two versions of the kernel code: index mode
+against FlashMLA (4 cases, ``bench.index_row``), two HCA layers (``bench.fused_row``) and two CSA
+layers (``bench.topk_row``).
 
     AB_LABEL=old python -m tools.ab_e out_old.json     # one process per version, caches off:
     AB_LABEL=new python -m tools.ab_e out_new.json     # DSV4_ATTENTION_DISABLE_CACHE=1 CUTE_DSL_DISABLE_FILE_CACHING=1
@@ -22,7 +23,7 @@ import sys
 
 import torch
 
-from tools.bench import attention_row, index_row, topk_row
+from tools.bench import attention_row, fused_row, index_row, topk_row
 
 
 def main(path: str, dense: bool = False) -> None:
@@ -40,6 +41,10 @@ def main(path: str, dense: bool = False) -> None:
             rows.append({"case": r["case"], "ours_ms": r["ours_ms"], "flashmla_ms": r["peer_ms"].get("flashmla"),
                          "diff": r.get("max_abs_diff_vs_flashmla")})
             torch.cuda.empty_cache()
+    for s in (8192, 32768):  # the HCA layer (window + every visible entry at ratio 128)
+        r = fused_row(dev, s)
+        rows.append({"case": r["case"], "ours_ms": r["ours_ms"], "ours_tflops": r["ours_tflops"]})
+        torch.cuda.empty_cache()
     for s, k in ((8192, 1024), (32768, 512)):
         r = topk_row(dev, s, k)
         rows.append({"case": r["case"], "ours_ms": r["ours_ms"], "ours_tflops": r["ours_tflops"]})
