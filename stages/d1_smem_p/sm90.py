@@ -1329,6 +1329,12 @@ class FlashAttentionD1Sm90:
         cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
         for i in cutlass.range_constexpr(cute.size(own)):
             own[i] = own[i] + row_stats[stat_rows[i, 0][0], 1 - wg, 1]
+        if cutlass.const_expr(self.persistent):
+            # the next tile's sums go to the same slots: every read here before any write there.
+            # (The handoffs of the next tile order them too, but compute-sanitizer's racecheck
+            # reported 4096 write-after-read hazards here on a varlen case with ~8 tiles per CTA
+            # without this barrier.)
+            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
         return own
 
     @cute.jit
