@@ -12,9 +12,7 @@ the load wrote Q) -> TMA store; rows past seqlen_q are clipped by TMA.
     generic-proxy writes visible to the TMA (async proxy).
     EPILOGUE barrier again: the store warp syncs, the others only arrive (they
         have nothing left to wait for); then one lane of the store warp issues the
-        store, commits and waits for its SMEM reads before the CTA may exit (a
-        persistent CTA's lane then arrives on its q_empty barrier: the producer may
-        load the next tile's Q over sO).
+        store, commits and waits for its SMEM reads before the CTA may exit.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ def store_o(
     gO_rows: cute.Tensor | None = None,
     rows_left=None,
     tidx=None,
-    done_bar: cute.Pointer | None = None,
 ):
     """acc_o (fp32, already normalized) -> sO (tile_m, head_dim, 1) -> tile m_block of
     gO (tile_m, head_dim, m_blocks).
@@ -53,8 +50,7 @@ def store_o(
     global memory), ``rows_left``, ``tidx`` (0 .. num_threads - 1): instead of the TMA store,
     every thread copies its share of the rows < rows_left from sO (the Q tile that straddles the
     end of its request in a variable-length batch, where the TMA box would write the next
-    request's rows). ``done_bar`` (a persistent kernel's): one arrival once sO has been read (the
-    TMA store's reads waited for, or every thread's copy done), so the next tile's Q may land there."""
+    request's rows)."""
     r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
     r_o.store(acc_o.load().to(sO.element_type))
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
@@ -73,11 +69,6 @@ def store_o(
     if cutlass.const_expr(gO_rows is not None):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         copy_rows(sO[None, None, 0], gO_rows, rows_left, tidx, num_threads)
-        if cutlass.const_expr(done_bar is not None):  # every thread's reads of sO done, before TMA writes it
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-            if tidx == 0:
-                cute.arch.mbarrier_arrive(done_bar)
     elif is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
@@ -86,16 +77,8 @@ def store_o(
             cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if cutlass.const_expr(done_bar is not None):
-                cute.arch.mbarrier_arrive(done_bar)
     else:
         cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads)
-    if cutlass.const_expr(done_bar is not None):
-        # the warps reconverge after the one-lane store: a persistent kernel's next tile issues
-        # wgmma after this, and without the sync ptxas serializes every wgmma of the kernel
-        # (remark C7519, "WG.AR in divergent path": 27 % slower on the H200; common/compile.py
-        # fails a kernel that has it)
-        cute.arch.sync_warp()
 
 
 @cute.jit

@@ -15,7 +15,6 @@ import itertools
 import pytest
 import torch
 
-from dsv4_attention.common.persistent import cta_limit
 from dsv4_attention.common.reference import dsv4_index_attention
 from dsv4_attention.common.testing import (
     LSE_ABS,
@@ -217,20 +216,6 @@ def test_topk_entries(arch, head_dim, k, heads, record_errors):
     check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch,
                     options={"compressed_kv": ckv, "compress_ratio": 4, "topk_indices": topk_lists(2, sq, k, n_c, g),
                              "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)})
-
-
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("sq", [130, 77])
-def test_persistent_ctas_run_many_tiles(arch, sq, record_errors):
-    """The HCA layer's persistent grid held to 5 CTAs (about 30-50 Q tiles each,
-    common/persistent.py): the tiles' KV counts differ along the sequence (the window's first
-    tokens see fewer keys, the visible entries grow with the position), so a CTA's ring uses and
-    handoff rounds start at either parity. (Gathered top-k tiles run one CTA per tile.)"""
-    q, kv, _, g = attention_inputs(2, sq, sq, 128, 1, 512, torch.bfloat16, kv_shared=True)
-    options = {"causal": True, "window_size": (127, 0), "learnable_sink": sink(128, g),
-               "compressed_kv": entries(2, sq // 4 + 3, 512, g), "compress_ratio": 4}
-    with cta_limit(5):
-        check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options=options)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -54,10 +54,6 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             # per consumer thread pay for it (setmaxnreg: 64K per CTA)
             self.consumer_regs -= 16
             self.producer_regs += 16 * self.num_wg
-            # one CTA per Q tile: the persistent grid fails with the gathering producer (an
-            # unspecified launch failure at its thread 0 on the H100 and H200, 2026-11-26, with
-            # the producer at 56 or 72 registers, with or without serialized wgmma; not diagnosed)
-            self.persistent = False
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk,
                 kv_start=0, positions=None):
