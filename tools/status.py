@@ -76,13 +76,28 @@ def _changed(rep: dict, stage: str, parts) -> str:
     return ", ".join(files[:3]) + (f" (+{len(files) - 3})" if len(files) > 3 else "") if files else "code"
 
 
+def _tests_date(rep: dict, stage: str, parts) -> str:
+    """When the chosen parts of a stage's tests ran (the latest), else the report's date."""
+    dates = [rep["parts"][stage][p].get("date") for p in parts or () if p in rep.get("parts", {}).get(stage, {})]
+    dates = [d for d in dates if d]
+    return max(dates) if dates else rep.get("date", "?")
+
+
+def _bench_date(rep: dict, stage: str) -> str:
+    """When the stage's benchmark rows last ran (the report's runs), else the report's date: a report
+    merges runs of several days, and its own date is the last one's."""
+    dates = [r["date"] for r in rep.get("runs", []) if r.get("bench") and r.get("date")
+             and (not r.get("stages") or stage in r["stages"])]
+    return max(dates) if dates else rep.get("date", "?")
+
+
 def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
     verified, measured = [], []
     for name, rep in reports.items():
         if rep.get("arch") != arch:
             continue
-        tag = f"{name.upper()}, {rep.get('date', '?')[:10]}"
         state, parts = report.test_state(rep, stage)
+        tag = f"{name.upper()}, {_tests_date(rep, stage, parts)[:10]}"
         tests, errors = report.totals(rep, stage, parts) if state else ({}, {})
         passed, failed, _ = _counts(tests.get(arch))
         if passed or failed:
@@ -102,7 +117,8 @@ def _gpu_cells(reports: dict, stage: str, arch: str) -> tuple:
         if rows:
             best = max(r["ours_tflops"] for r in rows)
             stale = not report.bench_current(rep, stage)
-            measured.append(("stale: " if stale else "") + f"{tag}: {len(rows)} cases, up to {best:.0f} TFLOP/s")
+            when = f"{name.upper()}, {_bench_date(rep, stage)[:10]}"
+            measured.append(("stale: " if stale else "") + f"{when}: {len(rows)} cases, up to {best:.0f} TFLOP/s")
     none = "not run: no Blackwell GPU is lent" if arch == "sm100" else "not run"
     if any(not v.startswith(("stale", "unproven")) for v in verified):  # a report of the current code says it all
         verified = [v for v in verified if not v.startswith(("stale", "unproven"))]
