@@ -78,8 +78,8 @@ def _changed(rep: dict, stage: str, parts) -> str:
 
 def _tests_date(rep: dict, stage: str, parts) -> str:
     """When the chosen parts of a stage's tests ran (the latest), else the report's date."""
-    dates = [rep["parts"][stage][p].get("date") for p in parts or () if p in rep.get("parts", {}).get(stage, {})]
-    dates = [d for d in dates if d]
+    recs = rep.get("parts", {}).get(stage, {})
+    dates = [recs[p]["date"] for p in parts or () if recs.get(p, {}).get("date")]
     return max(dates) if dates else rep.get("date", "?")
 
 
