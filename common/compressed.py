@@ -222,16 +222,18 @@ class TopkSpan(FusedSpan):
     position n T + c in row c, read from the list at ``list_source(n, c)``): the consumers then
     read 4 bytes of SMEM per score column instead of waiting on global loads after each QK GEMM."""
 
-    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row", "lists")
+    _DYNAMIC = FusedSpan._DYNAMIC + ("k", "count", "idx_row", "lists", "list_base")
     lists = None  # (T, slots) int32 SMEM: each ring slot's tile of the list (sm90 top-k)
     slots = 1
+    list_base = 0  # the ring uses before this Q tile's (a persistent CTA's earlier tiles)
 
-    def stage_lists(self, lists: cute.Tensor, slots: int):
-        self.lists, self.slots = lists, slots
+    def stage_lists(self, lists: cute.Tensor, slots: int, base=0):
+        self.lists, self.slots, self.list_base = lists, slots, base
 
     def list_slot(self, n):
-        """The ring slot of tile n's visit (the kernels visit tiles last-first: use t = n_tiles - 1 - n)."""
-        return (self.n_tiles - 1 - n) % self.slots
+        """The ring slot of tile n's visit (the kernels visit tiles last-first: ring use
+        t = base + n_tiles - 1 - n, ``base`` the uses of the CTA's earlier Q tiles)."""
+        return (self.list_base + self.n_tiles - 1 - n) % self.slots
 
     def list_source(self, n, c):
         """The list position whose entry row c of tile n's staged list holds: n T + c, clamped to

@@ -158,8 +158,11 @@ def kernel_maker(kernels: dict):
 
 
 def config_key(stage_id: str, arch: str, dtype, head_dim: int, options: dict) -> tuple:
-    """A kernel configuration's key (in this process's dict and, hashed, in the kernel cache)."""
-    return (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())))
+    """A kernel configuration's key (in this process's dict and, hashed, in the kernel cache); it
+    ends with the persistent kernels' CTA count (common/persistent.py), baked into the binary."""
+    from dsv4_attention.common import persistent
+
+    return (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())), ("ctas", persistent.grid_ctas()))
 
 
 def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args, options: dict | None = None):

@@ -11,8 +11,11 @@ the load wrote Q) -> TMA store; rows past seqlen_q are clipped by TMA.
     each thread writes its O values; fence.proxy.async.shared::cta makes the
     generic-proxy writes visible to the TMA (async proxy).
     EPILOGUE barrier again: the store warp syncs, the others only arrive (they
-        have nothing left to wait for); then one lane of the store warp issues the
-        store, commits and waits for its SMEM reads before the CTA may exit.
+        have nothing left to wait for; in a persistent CTA they sync too, at the same
+        instruction: see ``store_o``); then one lane of the store warp issues the
+        store, commits and waits for its SMEM reads before the CTA may exit (a
+        persistent CTA's lane then arrives on its q_empty barrier: the producer may
+        load the next tile's Q over sO).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def store_o(
     gO_rows: cute.Tensor | None = None,
     rows_left=None,
     tidx=None,
+    done_bar: cute.Pointer | None = None,
 ):
     """acc_o (fp32, already normalized) -> sO (tile_m, head_dim, 1) -> tile m_block of
     gO (tile_m, head_dim, m_blocks).
@@ -50,7 +54,8 @@ def store_o(
     global memory), ``rows_left``, ``tidx`` (0 .. num_threads - 1): instead of the TMA store,
     every thread copies its share of the rows < rows_left from sO (the Q tile that straddles the
     end of its request in a variable-length batch, where the TMA box would write the next
-    request's rows)."""
+    request's rows). ``done_bar`` (a persistent kernel's): one arrival once sO has been read (the
+    TMA store's reads waited for, or every thread's copy done), so the next tile's Q may land there."""
     r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
     r_o.store(acc_o.load().to(sO.element_type))
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
@@ -69,16 +74,44 @@ def store_o(
     if cutlass.const_expr(gO_rows is not None):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         copy_rows(sO[None, None, 0], gO_rows, rows_left, tidx, num_threads)
+        if cutlass.const_expr(done_bar is not None):  # every thread's reads of sO done, before TMA writes it
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive(done_bar)
+    elif cutlass.const_expr(done_bar is not None):
+        # a persistent CTA: every consumer warp syncs, at one barrier instruction. With bar.arrive
+        # for the other warps, racecheck reported thousands of write-after-read hazards on the next
+        # tile's row-sum exchange (stage D3's varlen case); with bar.sync in two branches,
+        # synccheck reported divergent threads (H200, 2026-11-26)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+        if is_store_warp:
+            tma_store(tma_atom_o, sO, gO, m_block, done_bar)
     elif is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-        tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
-        # bulk groups are per thread: one lane issues, commits and waits
-        with cute.arch.elect_one():
-            cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        tma_store(tma_atom_o, sO, gO, m_block)
     else:
         cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads)
+    if cutlass.const_expr(done_bar is not None):
+        # the warps reconverge after the one-lane store: a persistent kernel's next tile issues
+        # wgmma after this, and without the sync ptxas serializes every wgmma of the kernel
+        # (remark C7519, "WG.AR in divergent path": 27 % slower on the H200; common/compile.py
+        # fails a kernel that has it)
+        cute.arch.sync_warp()
+
+
+@cute.jit
+def tma_store(tma_atom_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor, m_block: cutlass.Int32,
+              done_bar: cute.Pointer | None = None):
+    """The store warp: sO -> tile m_block of gO, one TMA. Bulk groups are per thread: one lane
+    issues, commits and waits for the store's SMEM reads (then arrives on ``done_bar``)."""
+    tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
+    with cute.arch.elect_one():
+        cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(done_bar is not None):
+            cute.arch.mbarrier_arrive(done_bar)
 
 
 @cute.jit

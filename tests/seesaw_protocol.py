@@ -18,6 +18,12 @@ with recording stand-ins for the ring, the handoffs and the wgmma calls (``seesa
                wait(round), and the SMEM handed over: write / read of a row-max slot, write of an
                sP buffer
 
+A persistent CTA's sequence of Q tiles (``PERSISTENT``) is traced tile after tile with the ring
+uses, handoff rounds and Q phases counted on, as ``run_tiles`` does, and adds Q to the check: the
+producer's Q of tile i waits for the epilogue of tile i - 1 to free sQ (``q_empty``), the
+consumers wait for it, no QK may still read sQ when Q lands or O is written over it, and O must be
+in sQ (both warpgroups past the epilogue's write) before the store frees it.
+
 Every barrier is modelled as the hardware's parity wait: a wait for round r passes when the number
 of completed phases has the other parity than r, and the check also asserts it is exactly r + 1
 (a phase never lapped). A breadth-first search over all states of the three roles and the
@@ -101,19 +107,22 @@ class _Anything:
         return _Anything()
 
 
-def trace(kernel, n_blocks: int, monkeypatch) -> dict:
-    """{role: [op, ...]} of one Q tile with ``n_blocks`` KV tiles, from ``kernel``'s own methods."""
+def trace(kernel, n_blocks, monkeypatch) -> dict:
+    """{role: [op, ...]} of a persistent CTA's Q tiles with ``n_blocks`` KV tiles each (an int: one
+    tile), from ``kernel``'s own methods."""
+    tiles = [n_blocks] if isinstance(n_blocks, int) else list(n_blocks)
     kernel_cls = type(kernel)
     # the modules of the kernel's classes, whose globals (wgmma calls, register tensors) are stood in for
     modules = {sys.modules[c.__module__] for c in kernel_cls.__mro__ if c.__module__.startswith("dsv4_attention")}
 
     ops = {"producer": [], 0: [], 1: []}
-    current = {"role": None, "k": 0}
+    current = {"role": None, "k": 0, "t0": 0}
 
     def gemm(mma, acc, a, b, zero_init=False):  # a PV: reads the warpgroup's own half of its operand's tile
         wg = current["role"]
-        parity = b.tag[1]  # the slot index of the V view, t % slots
-        t = 2 * current["k"] + (parity % 2)
+        slot = b.tag[1]  # the slot index of the V view, (ring use) % slots
+        ta = current["t0"] + 2 * current["k"]  # the pair's a (b is ta + 1)
+        t = ta + (slot - ta) % kernel.slots
         smem_p = isinstance(a, _Anything) and isinstance(a.tag, tuple) and a.tag[0] == "tOrP_smem"
         ops[wg].append(("pv", t, wg, ("p", a.tag[1]) if smem_p else None))  # an SS PV reads sP[buffer] too
 
@@ -156,25 +165,44 @@ def trace(kernel, n_blocks: int, monkeypatch) -> dict:
     # the kernel's own helpers that release (jit methods), run as plain Python too
     monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: plain(type(k).seesaw_release_b)(k, ring, t),
                         raising=False)
+    # Q's TMA (the producer's issue_q: after the previous tile's epilogue freed sQ)
+    monkeypatch.setattr(k, "issue_q", lambda q_load, warp_idx, it, q_empty: ops["producer"].append(("q", it)),
+                        raising=False)
     rec = {role: _Recorder(k, ops[role], 0) for role in ops}
 
-    # the producer (the kernel's load_pairs, its load_kv recording the half-loads)
+    # the producer (the kernel's load_pairs, its load_kv recording the half-loads), tile after tile
     monkeypatch.setattr(k, "load_kv", lambda ring, t, n, *srcs, half=None: ring.load(t, half), raising=False)
-    plain(type(k).load_pairs)(k, rec["producer"], n_blocks, (), (), 0)
+    t0 = 0
+    for it, n in enumerate(tiles):
+        plain(type(k).load_pairs)(k, rec["producer"], n, (), (), 0, t0, it, None)
+        t0 += n
 
-    # the consumers: stage D1's loop around seesaw_lead / seesaw_follow
-    # acc_s, acc_o, r_p, softmax, stat_rows, row_stats, span, then n_blocks and first_row
-    rest = [_Anything() for _ in range(7)] + [n_blocks, _Anything()]
+    # the consumers: stage D1's consume_seesaw around seesaw_lead / seesaw_follow, tile after tile:
+    # wait for Q, the pairs, the leader's end, then the epilogue (both warpgroups meet at the row
+    # sums' barrier; O is written over sQ; the store's read frees sQ: q_empty)
     mmas = (_Anything(), _Anything(), _Anything())
     for wg, fn in ((0, kernel_cls.seesaw_lead), (1, kernel_cls.seesaw_follow)):
         current["role"] = wg
         handoffs = [_Handoff(ops[wg], i) for i in range(HANDOFFS)]
-        for pair in range(n_blocks // 2 + n_blocks % 2):
-            current["k"] = pair
-            has_b = pair < n_blocks // 2
-            plain(fn)(k, pair, has_b, mmas, rec[wg], handoffs, _Anything("ops"), *rest)
-        if wg == 0:
-            ops[0].append(("wait_group", 0))
+        t0 = r0 = 0
+        for it, n in enumerate(tiles):
+            # acc_s, acc_o, r_p, softmax, stat_rows, row_stats, span, then n_blocks and first_row
+            rest = [_Anything() for _ in range(7)] + [n, _Anything()]
+            current["t0"] = t0
+            ops[wg].append(("wait_q", it))
+            for pair in range(n // 2 + n % 2):
+                current["k"] = pair
+                has_b = pair < n // 2
+                plain(fn)(k, pair, has_b, mmas, rec[wg], handoffs, _Anything("ops"), *rest, (t0, r0))
+            if wg == 0:
+                plain(kernel_cls.seesaw_lead_end)(k, rec[0], n, t0)
+            ops[wg].append(("epilogue", it))  # the row sums' barrier: then O goes over sQ
+            ops[wg].append(("o_written", it))
+            if wg == 0:  # the store warp syncs with every O write (EPILOGUE), its store reads sQ: q_empty
+                ops[wg].append(("store_sync", it))
+                ops[wg].append(("q_free", it))
+            t0 += n
+            r0 += (n + 1) // 2
     return ops
 
 
@@ -185,7 +213,10 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
     need = kernel.seesaw_halves()  # [slot parity][half]: warps that release a half
     roles = ("producer", 0, 1)
     n_handoffs = 1 + max(op[1] for role in roles for op in ops[role] if op[0] in ("arrive", "wait_h"))
-    start = ((0, 0, 0), (), (), frozenset(), ((), ()), (0,) * n_handoffs, ())
+    # Q: (tiles landed, tiles whose sQ the epilogue freed); index of each consumer's epilogue ops
+    epi_at = {wg: [i for i, op in enumerate(ops[wg]) if op[0] == "epilogue"] for wg in (0, 1)}
+    o_at = {wg: [i for i, op in enumerate(ops[wg]) if op[0] == "o_written"] for wg in (0, 1)}
+    start = ((0, 0, 0), (), (), frozenset(), ((), ()), (0,) * n_handoffs, (), (0, 0))
     # state: pcs, landed[(slot, half)] counts as a sorted tuple, empty arrivals likewise,
     # loads in flight, groups in flight per warpgroup (each: its ring reads, the sP buffer it reads
     # or None), handoff completions, and per SMEM handoff buffer (a row-max slot, an sP buffer)
@@ -205,20 +236,20 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
 
     seen, todo = {start}, collections.deque([start])
     while todo:
-        pcs, landed, empty, flying, groups, hand, bufs = todo.popleft()
+        pcs, landed, empty, flying, groups, hand, bufs, qs = todo.popleft()
         succ = []
         # asynchronous events: a load lands; the oldest group of a warpgroup finishes
         for t, h in flying:
             s = t % slots
             succ.append((pcs, put(landed, (s, h), get(landed, (s, h)) + 1), empty, flying - {(t, h)}, groups, hand,
-                         bufs))
+                         bufs, qs))
         for wg in (0, 1):
             if groups[wg]:
                 g = list(groups)
                 g[wg] = groups[wg][1:]
                 buf = groups[wg][0][1]
                 done_bufs = bufs if buf is None else put(bufs, buf, (get_wr(bufs, buf)[0], get_wr(bufs, buf)[1] + 1))
-                succ.append((pcs, landed, empty, flying, tuple(g), hand, done_bufs))
+                succ.append((pcs, landed, empty, flying, tuple(g), hand, done_bufs, qs))
         for i, role in enumerate(roles):
             if pcs[i] == len(ops[role]):
                 continue
@@ -235,10 +266,10 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                     if use > 0 and phases != use:
                         return f"load of tile {t} half {h}: empty barrier lapped ({phases} phases, use {use})"
                     for wg in (0, 1):
-                        for reads, _ in groups[wg]:
+                        for reads, _, _ in groups[wg]:
                             if any(r[0] % slots == s and r[0] < t and r[1] == h for r in reads):
                                 return f"load of tile {t} half {h} while warpgroup {wg} still reads it"
-                    succ.append((nxt, landed, empty, flying | {(t, h)}, groups, hand, bufs))
+                    succ.append((nxt, landed, empty, flying | {(t, h)}, groups, hand, bufs, qs))
             elif kind in ("qk", "wait_full"):
                 t, halves = op[1], op[2]
                 s, use = t % slots, t // slots
@@ -247,45 +278,77 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                     if any(get(landed, (s, h)) != use + 1 for h in halves):
                         return f"{kind} of tile {t}: full barrier lapped"
                     g = list(groups)
-                    if kind == "qk":
-                        g[role] = groups[role] + ((tuple((t, h) for h in halves), None),)
-                    succ.append((nxt, landed, empty, flying, tuple(g), hand, bufs))
+                    if kind == "qk":  # a QK group reads sQ as well
+                        g[role] = groups[role] + ((tuple((t, h) for h in halves), None, True),)
+                    succ.append((nxt, landed, empty, flying, tuple(g), hand, bufs, qs))
             elif kind == "pv":
                 buf = op[3]
                 if buf is not None and get_wr(bufs, buf)[0] != get_wr(bufs, buf)[1] + 1:
                     return f"warpgroup {role}'s PV reads {buf} before its round is written ({get_wr(bufs, buf)})"
                 g = list(groups)
-                g[role] = groups[role] + ((((op[1], op[2]),), buf),)
-                succ.append((nxt, landed, empty, flying, tuple(g), hand, bufs))
+                g[role] = groups[role] + ((((op[1], op[2]),), buf, False),)
+                succ.append((nxt, landed, empty, flying, tuple(g), hand, bufs, qs))
             elif kind == "wait_group":
                 if len(groups[role]) <= op[1]:
-                    succ.append((nxt, landed, empty, flying, groups, hand, bufs))
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
             elif kind == "release":
                 t, h = op[1], op[2]
-                if any((t, h) in reads for reads, _ in groups[role]):
+                if any((t, h) in reads for reads, _, _ in groups[role]):
                     return f"warpgroup {role} releases tile {t} half {h} while its wgmma still reads it"
                 s = t % slots
-                succ.append((nxt, landed, put(empty, (s, h), get(empty, (s, h)) + WARPS), flying, groups, hand, bufs))
+                succ.append((nxt, landed, put(empty, (s, h), get(empty, (s, h)) + WARPS), flying, groups, hand, bufs,
+                             qs))
             elif kind == "write":
                 written, read = get_wr(bufs, op[1])
                 if read < written:
                     return f"warpgroup {role} overwrites {op[1]} before its round {written - 1} was read"
-                succ.append((nxt, landed, empty, flying, groups, hand, put(bufs, op[1], (written + 1, read))))
+                succ.append((nxt, landed, empty, flying, groups, hand, put(bufs, op[1], (written + 1, read)), qs))
             elif kind == "read":
                 written, read = get_wr(bufs, op[1])
                 if written != read + 1:
                     return f"warpgroup {role} reads {op[1]} before its round is written ({written}, {read} read)"
-                succ.append((nxt, landed, empty, flying, groups, hand, put(bufs, op[1], (written, read + 1))))
+                succ.append((nxt, landed, empty, flying, groups, hand, put(bufs, op[1], (written, read + 1)), qs))
             elif kind == "arrive":
                 hd = list(hand)
                 hd[op[1]] += 1
-                succ.append((nxt, landed, empty, flying, groups, tuple(hd), bufs))
+                succ.append((nxt, landed, empty, flying, groups, tuple(hd), bufs, qs))
             elif kind == "wait_h":
                 i_h, r = op[1], op[2]
                 if hand[i_h] % 2 != r % 2:
                     if hand[i_h] != r + 1:
                         return f"handoff {i_h} round {r}: lapped ({hand[i_h]} rounds)"
-                    succ.append((nxt, landed, empty, flying, groups, hand, bufs))
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
+            elif kind == "q":  # the producer's Q TMA (lands at once: the consumers' wait is the check)
+                it = op[1]
+                if it == 0 or qs[1] % 2 != (it - 1) % 2:
+                    if it > 0 and qs[1] != it:
+                        return f"Q of tile {it}: q_empty lapped ({qs[1]} tiles freed)"
+                    if any(q for wg in (0, 1) for _, _, q in groups[wg]):
+                        return f"Q of tile {it} loaded while a QK still reads sQ"
+                    if it > 0 and any(pcs[1 + wg] <= o_at[wg][it - 1] for wg in (0, 1)):
+                        return f"Q of tile {it} loaded over O of tile {it - 1} before its store read it"
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, (qs[0] + 1, qs[1])))
+            elif kind == "wait_q":
+                it = op[1]
+                if qs[0] % 2 != it % 2:
+                    if qs[0] != it + 1:
+                        return f"Q of tile {it}: q_bar lapped ({qs[0]} landed)"
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
+            elif kind == "epilogue":  # both warpgroups meet (the row sums), then O goes over sQ
+                it, other = op[1], 1 - role
+                if pcs[1 + other] >= epi_at[other][it]:
+                    if any(q for wg in (0, 1) for _, _, q in groups[wg]):
+                        return f"O of tile {it} written over sQ while a QK still reads it"
+                    if qs[0] != it + 1:
+                        return f"O of tile {it} written over sQ holding another tile's Q ({qs[0]} landed)"
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
+            elif kind == "o_written":
+                succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
+            elif kind == "store_sync":  # EPILOGUE: every thread's O is in sQ
+                if pcs[2] > o_at[1][op[1]]:
+                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
+            elif kind == "q_free":  # the store has read sQ
+                succ.append((nxt, landed, empty, flying, groups, hand, bufs, (qs[0], qs[1] + 1)))
         done = all(pcs[i] == len(ops[r]) for i, r in enumerate(roles)) and not flying and not any(groups)
         if done and any(w != r for _, (w, r) in bufs):
             return f"a handoff buffer written but never read: {bufs}"
@@ -301,12 +364,16 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
     return None
 
 
-def check_every_interleaving(kernel, n_blocks: int, monkeypatch) -> None:
-    ops = trace(kernel, n_blocks, monkeypatch)
-    assert sorted(op[1:] for op in ops["producer"]) == [(t, h) for t in range(n_blocks) for h in (0, 1)]
+def check_every_interleaving(kernel, n_blocks, monkeypatch) -> None:
+    """``n_blocks``: one tile's KV tile count, or a persistent CTA's tiles' counts."""
+    tiles = [n_blocks] if isinstance(n_blocks, int) else list(n_blocks)
+    ops = trace(kernel, tiles, monkeypatch)
+    loads = sorted(op[1:] for op in ops["producer"] if op[0] == "load")
+    assert loads == [(t, h) for t in range(sum(tiles)) for h in (0, 1)]
+    assert [op for op in ops["producer"] if op[0] == "q"] == [("q", it) for it in range(len(tiles))]
     stats = {}
     assert check(kernel, ops, stats) is None
-    assert stats["states"] > 40 * n_blocks  # the search did explore the interleavings (48-1953 states)
+    assert stats["states"] > 40 * sum(tiles)  # the search did explore the interleavings
 
 
 def check_controls(kernel, monkeypatch) -> None:
@@ -344,10 +411,31 @@ def check_controls(kernel, monkeypatch) -> None:
     assert "reads ('p', 1) before its round is written" in check(kernel, {**ops, 1: late_p})
 
 
+PERSISTENT = ([1, 1], [2, 1], [1, 2], [3, 2], [2, 3], [1, 1, 1], [3, 3])  # a persistent CTA's tiles' KV tile counts
+
+
+def check_persistent_controls(kernel, monkeypatch) -> None:
+    """Negative controls of the persistent protocol (tiles of 2 then 3 KV tiles): without the
+    follower's release of a's first half (a half it never reads), or without the leader's release
+    of the last b's first half at the end of a tile, the next tile's loads wait forever; with
+    sQ freed (q_empty) without the store warp's sync with every O write, the next Q can land
+    over O before the store read it."""
+    ops = trace(kernel, [2, 3], monkeypatch)
+    follower, leader = ops[1], ops[0]
+    at = follower.index(("wait_q", 0))
+    assert follower[at + 1] == ("release", 0, 0)  # the follower frees a's first half as its pair starts
+    assert "deadlock" in check(kernel, {**ops, 1: follower[:at + 1] + follower[at + 2:]})
+    end = leader.index(("epilogue", 0))
+    assert leader[end - 1] == ("release", 1, 0)  # seesaw_lead_end: the last b's first half
+    assert "deadlock" in check(kernel, {**ops, 0: leader[:end - 1] + leader[end:]})
+    sync = leader.index(("store_sync", 0))
+    assert "over O of tile 0" in check(kernel, {**ops, 0: leader[:sync] + leader[sync + 1:]})
+
+
 def protocol_tests(kernel_cls, **options):
     """The two tests of one seesaw kernel (hd 512, bf16, ``options``), for a stage's test file to
-    bind at module level under its own marks: every interleaving for 1-7 KV tiles, and the
-    negative controls."""
+    bind at module level under its own marks: every interleaving for one Q tile of 1-7 KV tiles and
+    for persistent CTAs' sequences of Q tiles, and the negative controls."""
 
     def make():
         from dsv4_attention.common.arch import target_arch
@@ -357,12 +445,13 @@ def protocol_tests(kernel_cls, **options):
         assert k.seesaw
         return k
 
-    @pytest.mark.parametrize("n_blocks", range(1, 8))
+    @pytest.mark.parametrize("n_blocks", [*range(1, 8), *PERSISTENT], ids=str)
     def every_interleaving(n_blocks, monkeypatch):
         check_every_interleaving(make(), n_blocks, monkeypatch)
 
     def controls(monkeypatch):
         check_controls(make(), monkeypatch)
+        check_persistent_controls(make(), monkeypatch)
 
     return every_interleaving, controls
 

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from dsv4_attention.common.persistent import cta_limit
 from dsv4_attention.common.testing import (
     attention_inputs,
     check_attention,
@@ -39,6 +40,18 @@ def inputs(b, sq, sk, h, hk, d, dtype, kv_shared, magnitude=1.0):
 def test_wide_head_dims(arch, kv_shared, head_dim, seqlen_k, record_errors):
     q, k, v, g = inputs(2, 300, seqlen_k, 4, 2, head_dim, torch.bfloat16, kv_shared)
     check_attention(stage.forward, q, k, v, record_errors, g, arch=arch)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", (384, 512))
+@pytest.mark.parametrize("seqlen_k", [1, 65, 130, 1000])
+def test_persistent_ctas_run_many_tiles(arch, head_dim, seqlen_k, record_errors):
+    """The seesaw's persistent grid (common/persistent.py) held to 3 CTAs: each runs 13-14 Q tiles in
+    a row, every tile with the same KV tile count (1, 2, 3 or 16: odd counts leave the next tile's
+    ring uses at the other parity), outputs poisoned as always."""
+    q, k, v, g = inputs(2, 300, seqlen_k, 4, 1, head_dim, torch.bfloat16, kv_shared=True)
+    with cta_limit(3):
+        check_attention(stage.forward, q, k, v, record_errors, g, arch=arch)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -261,23 +261,37 @@ def seesaw_half_readers(k: FlashAttentionD1Sm90, pv_chunks: dict) -> tuple:
                  for p in (0, 1))
 
 
+def uniform_and_covering(counts: tuple, readers: tuple) -> bool:
+    """The persistent seesaw's rule for the halves' counts: the same in both slot parities (a tile's
+    ring uses may start at either), and no lower than the warps that read each half."""
+    pairs = zip(counts, readers, strict=True)
+    return counts[0] == counts[1] and all(c >= r for cs, rs in pairs for c, r in zip(cs, rs, strict=True))
+
+
 @pytest.mark.parametrize("head_dim", SEESAW)
 def test_seesaw_ring_halves_count_every_reader(head_dim):
     """The seesaw's ring frees each tile in two halves (chunks below c_1 / 64, the rest), each
-    mbarrier counting one arrival per warp that reads that half. The counts the kernel compiles
-    in (``seesaw_halves``) must equal the readers its own V views imply, or a slot is refilled
-    under a PV still reading it (count too low) or never freed (too high). The leader's PV never
-    reads half 1, the follower's never half 0 (where they would overlap, 320 and 448, the kernels
-    keep the lock-step split: ``test_seesaw_only_where_the_halves_are_whole_chunks``)."""
+    mbarrier counting the warps that arrive on it. The counts the kernel compiles in
+    (``seesaw_halves``) must cover every warp its own V views say reads the half (fewer: a slot is
+    refilled under a PV still reading it), and be the same whichever warpgroup's S the slot holds:
+    a persistent CTA's next Q tile starts its ring uses at the parity the last one left. So the
+    warpgroup that reads neither half arrives too (the follower on tile a's first half, the leader
+    on b's second: tests/seesaw_protocol.py proves those arrivals come in order and complete every
+    phase). The leader's PV never reads half 1, the follower's never half 0 (where they would
+    overlap, 320 and 448, the kernels keep the lock-step split:
+    ``test_seesaw_only_where_the_halves_are_whole_chunks``)."""
     k = kernel_for(head_dim)
-    assert k.seesaw and k.slots % 2 == 0  # slot parity = the warpgroup whose S tile it holds
+    assert k.seesaw and k.slots % 2 == 0
     chunks = seesaw_pv_chunks(k)
     assert chunks[0][0] == 0 and chunks[1][-1] == head_dim // 64 - 1
     assert min(chunks[1]) == k.o_col1 // 64  # the follower's PV starts at half 1
-    assert seesaw_half_readers(k, chunks) == k.seesaw_halves()
-    # negative control: PVs that read every column (no split) need 8 warps on every half
-    every = {wg: list(range(head_dim // 64)) for wg in (0, 1)}
-    assert seesaw_half_readers(k, every) != k.seesaw_halves()
+    readers = seesaw_half_readers(k, chunks)
+    assert readers == ((4, 8), (8, 4))  # a's first half and b's second have one reading warpgroup
+    assert uniform_and_covering(k.seesaw_halves(), readers)
+    # negative controls: counts of the readers only (the non-persistent kernel's) differ by parity;
+    # counts of one warpgroup miss a reader
+    assert not uniform_and_covering(readers, readers)
+    assert not uniform_and_covering(((4, 4), (4, 4)), readers)
 
 
 def test_seesaw_only_where_the_halves_are_whole_chunks():

@@ -15,6 +15,7 @@ import itertools
 import pytest
 import torch
 
+from dsv4_attention.common.persistent import cta_limit
 from dsv4_attention.common.reference import dsv4_index_attention
 from dsv4_attention.common.testing import (
     LSE_ABS,
@@ -216,6 +217,39 @@ def test_topk_entries(arch, head_dim, k, heads, record_errors):
     check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch,
                     options={"compressed_kv": ckv, "compress_ratio": 4, "topk_indices": topk_lists(2, sq, k, n_c, g),
                              "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("branch", ["hca", "csa", "index"])
+@pytest.mark.parametrize("sq", [130, 77])
+def test_persistent_ctas_run_many_tiles(arch, branch, sq, record_errors):
+    """The persistent grid held to 5 CTAs (about 30-100 Q tiles each, common/persistent.py): the
+    HCA layer, whose tiles' KV counts differ along the sequence (the window's first tokens see
+    fewer keys, the visible entries grow with the position), so a CTA's ring uses and handoff
+    rounds start at either parity; the CSA layer, whose window tiles (warp 0's TMA) and gathered
+    tiles (every producer warp) alternate from Q tile to Q tile; index mode, every tile gathered,
+    lists of 70 positions (two tiles, the second partly past the list)."""
+    q, kv, _, g = attention_inputs(2, sq, sq, 128, 1, 512, torch.bfloat16, kv_shared=True)
+    s = sink(128, g)
+    with cta_limit(5):
+        if branch == "index":
+            n = 300
+            rows = random_bshd(1, n, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
+            idx = topk_lists(1, sq, 70, n, g)[0]
+            o = torch.full_like(q[0], float("nan"))
+            _, lse = stage.index_attention(q[0], rows, idx[:, None], attn_sink=s, out=o)
+            o_ref, lse_ref = dsv4_index_attention(q[0], rows[:, 0], idx, torch.full((sq,), 70).int().cuda(), s)
+            e = errors(o, o_ref)
+            record_errors(e, arch=arch, case="index mode, persistent", heads=128, k=70)
+            assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+            assert (lse.double() - lse_ref).abs().max().item() <= LSE_ABS
+            return
+        n_c = sq // 4 + 3
+        options = {"causal": True, "window_size": (127, 0), "learnable_sink": s,
+                   "compressed_kv": entries(2, n_c, 512, g), "compress_ratio": 4}
+        if branch == "csa":
+            options["topk_indices"] = topk_lists(2, sq, 24, n_c, g)
+        check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options=options)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -70,18 +70,28 @@ Why the seesaw's SMEM is free when written (one buffer each):
 K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot K-major, PV
     reads the same bytes MN-major; the slot is released after PV, so the ring needs >= 2 slots
     (QK(n) and PV(n+1) hold two; the seesaw's pair a, b), and at head dim 512 two is all that
-    fits. The seesaw's ring has an even slot count (slot parity = the warpgroup whose S tile it
-    holds) and frees each tile in two halves, chunks [0, c_1 / 64) and the rest, each counting
-    the warps that read it (``seesaw_halves``): the leader's PV frees the first half of tile a
-    while the follower's PV still reads the second, so the next tile's first chunks land early.
+    fits. The seesaw's ring has an even slot count and frees each tile in two halves, chunks
+    [0, c_1 / 64) and the rest, each counting all eight consumer warps (``seesaw_halves``: the
+    warpgroup that reads neither half of a tile arrives too, so a count does not depend on which
+    warpgroup's S the slot holds): the leader's PV frees the first half of tile a while the
+    follower's PV still reads the second, so the next tile's first chunks land early.
     In either ring a tile lands in 64-column chunks, each with its own full barrier, and QK's
     k-steps over chunk c wait for chunk c only (common/sm90_kv_chunks.py; on the H200 this took
     the lock-step kernel at head dim 512 from 415-441 to 511-523 TFLOP/s, when the next tile
     could load only after PV(n+1) freed its whole slot). With K != V, K and V have rings of their
     own (stage C's pipelines).
 
+Persistent grid (the seesaw, ``run_tiles``; common/persistent.py): one CTA per SM, each running
+    Q tiles c, c + grid, ... with the ring uses, handoff rounds and Q phases counted on across
+    them. The next tile's first KV pair is loaded while this tile's epilogue runs; its Q waits
+    until the epilogue's TMA store has read sQ (q_empty), and every consumer warp syncs with the
+    store warp there (no bar.arrive: racecheck). The A/Bs (docs/results/experiments/
+    ab_persistent_h100.json, ab_persistent_h200.json): the fused HCA layer 4-6 % faster, CSA
+    2-3 %, the dense seesaw and index mode level.
+
 Pipelines and barriers
-    q_bar          TMA -> consumers: Q landed (one phase).
+    q_bar          TMA -> consumers: Q landed (one phase per tile).
+    q_empty        persistent: the epilogue's store thread -> producer: sQ read, the next Q may land.
     K = V ring     KvChunkRing: full[slot, chunk] (TMA transaction), empty[slot] (one arrive per
                    consumer warp after the PV that read the slot).
     pipeline_k/v   K != V: PipelineTmaAsync, full/empty per slot; one release arrive per
@@ -116,6 +126,7 @@ from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import check_attention_operands, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.pack_heads import rows
+from dsv4_attention.common.persistent import grid_ctas
 from dsv4_attention.common.sm90_barriers import Handoff, Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
 from dsv4_attention.common.sm90_epilogue import store_lse
 from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
@@ -185,6 +196,65 @@ class ConsumerOperands:
     span: KvSpan
 
 
+@dataclasses.dataclass
+class SharedViews:
+    """The CTA's SMEM, set up once (barriers initialised): what every tile's roles use."""
+    q_bar: cute.Pointer  # Q landed (phase = the CTA's tile count & 1)
+    q_empty: cute.Pointer  # persistent: the epilogue's O store has read sQ (phase per tile)
+    handoffs: list  # seesaw: the three Handoff barriers
+    ring: object  # K = V: the KvChunkRing; else K's PipelineTmaAsync
+    pipeline_v: object  # K != V: V's PipelineTmaAsync
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sVt: cute.Tensor
+    sP: cute.Tensor
+    row_stats: cute.Tensor  # (row, warpgroup, max|sum) fp32
+    lists: cute.Tensor  # E top-k: (tile_n, slots) int32, each ring slot's tile of the list
+    ring_base: cute.Pointer  # the ring's first byte (E top-k: rows gathered by address)
+
+
+@dataclasses.dataclass
+class TileRequest:
+    """The request a tile's (head, batch entry) belongs to: views to index with batch coordinate
+    ``b``, its packed row count, key count and compressed entries (the D3 and E seams)."""
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mO: cute.Tensor
+    mO_mem: cute.Tensor
+    mLSE: cute.Tensor
+    b: cutlass.Int32
+    n_rows: cutlass.Int32
+    seqlen_k: cutlass.Int32
+    head_kv: cutlass.Int32
+    mC: cute.Tensor
+    mC_mem: cute.Tensor
+    n_compressed: cutlass.Int32
+    topk: cute.Tensor | None
+    positions: cute.Tensor | None
+
+
+@dataclasses.dataclass
+class TileViews:
+    """One Q tile's key span and the global views its loads and stores cut."""
+    m_block: cutlass.Int32
+    head: cutlass.Int32
+    b: cutlass.Int32
+    n_rows: cutlass.Int32
+    span: KvSpan
+    n_blocks: cutlass.Int32
+    mLSE: cute.Tensor
+    gQ: cute.Tensor
+    gO: cute.Tensor
+    gO_mem: cute.Tensor
+    mK_hb: cute.Tensor  # K's (seqlen, d) of the tile's (kv head, batch), from the span's first key
+    gK: cute.Tensor
+    gV: cute.Tensor
+    mC_hb: cute.Tensor  # the compressed entries' (seqlen_c, d) (fused stage)
+    mC_mem_hb: cute.Tensor  # their memory (E top-k gathers by address)
+
+
 def smem_buffer(dtype, elems: int, used: bool):
     """A shared-storage field: 1 KiB-aligned ``elems`` values, or 16 bytes where this
     configuration does not use the buffer."""
@@ -244,6 +314,9 @@ class FlashAttentionD1Sm90:
         self.pingpong = not self.split and head_dim <= 128
         self.rescale_o_before_pv = head_dim > 128
         self.slots = self._ring_slots()
+        # the seesaw runs a persistent grid (common/persistent.py): its CTA count is baked in
+        self.persistent = self.seesaw
+        self.ctas = grid_ctas()
         self.shared_storage = None  # set when __call__ is traced
 
     def smem_bytes_fixed(self) -> int:
@@ -337,6 +410,7 @@ class FlashAttentionD1Sm90:
         @cute.struct
         class SharedStorage:
             q_bar: cutlass.Int64
+            q_empty: cutlass.Int64  # persistent: sQ free for the next tile's Q (its O store has read it)
             # seesaw: the leader's max, the follower's max and P, the leader's P (Handoff)
             handoffs: cute.struct.MemRange[cutlass.Int64, 3]
             k_bars: cute.struct.MemRange[cutlass.Int64, bars_a]
@@ -353,17 +427,20 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
             raise ValueError(f"shared storage {SharedStorage.size_in_bytes()} B exceeds {SMEM_LIMIT} B")
 
-        grid = (cute.ceil_div(rows(mQ), self.tile_m), mQ.shape[2], mQ.shape[3])
+        m_tiles, batches = cute.ceil_div(rows(mQ), self.tile_m), mQ.shape[3]
         if cutlass.const_expr(self.varlen):  # tiles of the longest request x heads x requests
-            grid = (cute.ceil_div(max_seqlen_q * self.pack_group, self.tile_m), mQ.shape[2],
-                    mCuSeqlensQ.shape[0] - 1)
+            m_tiles, batches = cute.ceil_div(max_seqlen_q * self.pack_group, self.tile_m), mCuSeqlensQ.shape[0] - 1
+        grid = (m_tiles, mQ.shape[2], batches)
+        n_tiles = m_tiles * mQ.shape[2] * batches
+        if cutlass.const_expr(self.persistent):  # common/persistent.py: at most one CTA per SM, looping
+            grid = (cutlass.min(n_tiles, self.ctas), 1, 1)
         self.kernel(
             qk_mma, pv_mma, pv_own_mma,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mO,
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC,
+            mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC, m_tiles, n_tiles,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -466,102 +543,197 @@ class FlashAttentionD1Sm90:
         kv_start: cutlass.Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
         mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
         mCuSeqlensC: cute.Tensor | None,  # E varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1] of mC
+        m_tiles: cutlass.Int32,  # Q tiles per (head, batch entry) of the launch (varlen: the longest request's)
+        n_tiles: cutlass.Int32,  # m_tiles x heads x batch entries: the persistent loop's tiles
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.longest_first):  # causal: the tiles with the most keys start first
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        tensors = (mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mC,
+                   compress_ratio, mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC)
+        atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c)
+        layouts = (sQ_layout, sKV_layout, sVt_layout, sP_layout)
+        mmas = (qk_mma, pv_mma, pv_own_mma)
+        if cutlass.const_expr(self.persistent):
+            self.run_tiles(warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles)
+        else:
+            m_block, head, batch = cute.arch.block_idx()
+            if cutlass.const_expr(self.longest_first):  # causal: the tiles with the most keys start first
+                m_block = cute.arch.grid_dim()[0] - 1 - m_block
+            req = self.tile_request(head, batch, tensors)
+            # a tile past its request's rows (varlen: the grid spans the longest request) has no work
+            if m_block * self.tile_m < req.n_rows:
+                self.prefetch_descriptors(atoms, warp_idx)
+                smem = self.shared_views(layouts, warp_idx)
+                tile = self.tile_views(m_block, head, req, tensors, smem, 0)
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp_idx < self.producer_warps:
+                        self.load(smem, tile, atoms, warp_idx)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
+                    if cutlass.const_expr(self.seesaw):
+                        self.consume_seesaw(c, pv_own_mma, smem.ring, smem.handoffs, tile.n_blocks)
+                    else:
+                        self.consume(c, smem.ring, smem.pipeline_v, tile.n_blocks)
+
+    @cute.jit
+    def run_tiles(self, warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles):
+        """The persistent seesaw (common/persistent.py): CTA c runs tiles c, c + grid, ... Each role
+        walks the same tiles and keeps three counters across them: ``t0``, the ring uses before the
+        tile (its KV tile visits are ring uses t0 .. t0 + n_blocks - 1); ``r0``, the handoff rounds
+        before it (one per pair: ceil(n_blocks / 2)); ``it``, the tiles before it (Q's phase, and
+        the producer's wait for the epilogue that frees sQ). A tile past its request's rows (varlen:
+        the launch spans the longest request) is skipped by every role alike."""
+        self.prefetch_descriptors(atoms, warp_idx)
+        smem = self.shared_views(layouts, warp_idx)
+        heads = tensors[0].shape[2]
+        t0 = cutlass.Int32(0)
+        r0 = cutlass.Int32(0)
+        it = cutlass.Int32(0)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx < self.producer_warps:
+                for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
+                    m_block, head, batch = self.tile_coords(tile_idx, m_tiles, heads)
+                    req = self.tile_request(head, batch, tensors)
+                    if cutlass.const_expr(not self.varlen) or m_block * self.tile_m < req.n_rows:
+                        tile = self.tile_views(m_block, head, req, tensors, smem, t0)
+                        self.load(smem, tile, atoms, warp_idx, t0, it)
+                        t0 = t0 + tile.n_blocks
+                        it = it + 1
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
+                m_block, head, batch = self.tile_coords(tile_idx, m_tiles, heads)
+                req = self.tile_request(head, batch, tensors)
+                if cutlass.const_expr(not self.varlen) or m_block * self.tile_m < req.n_rows:
+                    tile = self.tile_views(m_block, head, req, tensors, smem, t0)
+                    c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
+                    self.consume_seesaw(c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it,
+                                        smem.q_empty)
+                    t0 = t0 + tile.n_blocks
+                    r0 = r0 + (tile.n_blocks + 1) // 2
+                    it = it + 1
+
+    @cute.jit
+    def tile_coords(self, tile_idx, m_tiles, heads):
+        """(m_block, head, batch) of the launch's tile ``tile_idx``: the Q tile fastest, then the head
+        (the non-persistent grid's x, y, z, in that order); longest first where D4 asks for it."""
+        m_block = tile_idx % m_tiles
+        hb = tile_idx // m_tiles
+        if cutlass.const_expr(self.longest_first):
+            m_block = m_tiles - 1 - m_block
+        return m_block, hb % heads, hb // heads
+
+    @cute.jit
+    def prefetch_descriptors(self, atoms, warp_idx):
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c = atoms
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_o)
+            if cutlass.const_expr(not self.kv_shared):
+                cpasync.prefetch_descriptor(tma_atom_v)
+            if cutlass.const_expr(self.has_compressed):
+                cpasync.prefetch_descriptor(tma_atom_c)
+
+    @cute.jit
+    def shared_views(self, layouts, warp_idx) -> "SharedViews":
+        """The CTA's SMEM: barriers initialised (then fenced, and the CTA synced), buffers viewed."""
+        sQ_layout, sKV_layout, sVt_layout, sP_layout = layouts
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        q_bar = storage.q_bar.ptr
+        q_empty = storage.q_empty.ptr
+        handoffs = [Handoff(storage.handoffs.data_ptr() + i) for i in range(3)]
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(q_bar, 1)
+                if cutlass.const_expr(self.persistent):
+                    cute.arch.mbarrier_init(q_empty, 1)
+                if cutlass.const_expr(self.seesaw):
+                    for h in handoffs:
+                        h.init()
+        tile_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+        if cutlass.const_expr(self.kv_shared):
+            chunks = self.head_dim // CHUNK_COLS
+            ring = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
+                               tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals,
+                               lanes_read_slot=self.has_topk,
+                               halves=self.seesaw_halves() if self.seesaw else None,
+                               r_chunk=self.o_col1 // CHUNK_COLS)
+            pipeline_v = None
+            self.init_ring(ring, warp_idx)
+        else:
+            ring = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.k_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
+                consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
+            )
+            pipeline_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.v_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
+                consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
+            )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        # K = V: V's views are K's bytes
+        v_buf = storage.sK if self.kv_shared else storage.sV
+        return SharedViews(
+            q_bar=q_bar, q_empty=q_empty, handoffs=handoffs, ring=ring, pipeline_v=pipeline_v,
+            sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            sK=storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner),
+            sV=v_buf.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner),
+            sVt=v_buf.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner),
+            sP=storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
+            row_stats=storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2))),  # (row, warpgroup, max|sum)
+            lists=storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))),
+            ring_base=storage.sK.data_ptr(),
+        )
+
+    @cute.jit
+    def tile_request(self, head, batch, tensors) -> "TileRequest":
+        """The request of a tile's (head, batch entry): its views and lengths (the D3 and E seams)."""
+        (mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, _wl, _wr, mCuSeqlensQ, mCuSeqlensK, mC, _ratio, mTopk, mC_mem,
+         _kv_start, mPositions, mCuSeqlensC) = tensors
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
             batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
         mC, mC_mem, n_compressed, topk_b, positions_b = self.request_entries(
             batch, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
+        return TileRequest(mQ=mQ, mK=mK, mV=mV, mO=mO, mO_mem=mO_mem, mLSE=mLSE, b=b, n_rows=n_rows,
+                           seqlen_k=seqlen_k, head_kv=head_kv, mC=mC, mC_mem=mC_mem, n_compressed=n_compressed,
+                           topk=topk_b, positions=positions_b)
 
-        # a tile past its request's rows (varlen: the grid spans the longest request) has no work
-        if m_block * self.tile_m < n_rows:
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_atom_q)
-                cpasync.prefetch_descriptor(tma_atom_k)
-                cpasync.prefetch_descriptor(tma_atom_o)
-                if cutlass.const_expr(not self.kv_shared):
-                    cpasync.prefetch_descriptor(tma_atom_v)
-                if cutlass.const_expr(self.has_compressed):
-                    cpasync.prefetch_descriptor(tma_atom_c)
+    @cute.jit
+    def tile_views(self, m_block, head, req: "TileRequest", tensors, smem: "SharedViews", t0) -> "TileViews":
+        """Q tile ``m_block`` of (head, req): its key span (ring uses from ``t0``: a top-k span's
+        staged lists follow the ring's slots) and the global views its loads and stores cut."""
+        window_left, window_right, compress_ratio, kv_start = tensors[7], tensors[8], tensors[12], tensors[15]
+        d, b, head_kv = self.head_dim, req.b, req.head_kv
+        span = self.kv_span(m_block, req.n_rows, req.seqlen_k, window_left, window_right, compress_ratio,
+                            req.n_compressed, req.topk, kv_start, req.positions)
+        if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
+            span.stage_lists(smem.lists, self.slots, t0)
+        # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
+        mK_hb = cute.domain_offset((span.origin, 0), req.mK[None, None, head_kv, b])
+        mV_hb = cute.domain_offset((span.origin, 0), req.mV[None, None, head_kv, b])
+        return TileViews(
+            m_block=m_block, head=head, b=b, n_rows=req.n_rows, span=span, n_blocks=span.n_tiles, mLSE=req.mLSE,
+            gQ=cute.local_tile(req.mQ[None, None, head, b], (self.tile_m, d), (None, 0)),
+            gO=cute.local_tile(req.mO[None, None, head, b], (self.tile_m, d), (None, 0)),
+            gO_mem=cute.local_tile(req.mO_mem[None, None, head, b], (self.tile_m, d), (None, 0)),
+            mK_hb=mK_hb,
+            gK=cute.local_tile(mK_hb, (self.tile_n, d), (None, 0)),
+            gV=cute.local_tile(mV_hb, (self.tile_n, d), (None, 0)),
+            mC_hb=req.mC[None, None, head_kv, b],
+            mC_mem_hb=req.mC_mem[None, None, head_kv, b],
+        )
 
-            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-            q_bar = storage.q_bar.ptr
-            handoffs = [Handoff(storage.handoffs.data_ptr() + i) for i in range(3)]
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(q_bar, 1)
-                    if cutlass.const_expr(self.seesaw):
-                        for h in handoffs:
-                            h.init()
-            tile_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
-            if cutlass.const_expr(self.kv_shared):
-                chunks = self.head_dim // CHUNK_COLS
-                pipeline_k = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
-                                         tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals,
-                                         lanes_read_slot=self.has_topk,
-                                         halves=self.seesaw_halves() if self.seesaw else None,
-                                         r_chunk=self.o_col1 // CHUNK_COLS)
-                pipeline_v = None
-                self.init_ring(pipeline_k, warp_idx)
-            else:
-                pipeline_k = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=storage.k_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
-                    consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
-                )
-                pipeline_v = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=storage.v_bars.data_ptr(), num_stages=self.slots, producer_group=producer,
-                    consumer_group=consumers, tx_count=tile_bytes, defer_sync=True,
-                )
-            cute.arch.mbarrier_init_fence()
-            cute.arch.barrier()
-
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-            # K = V: V's views are K's bytes
-            v_buf = storage.sK if self.kv_shared else storage.sV
-            sV = v_buf.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-            sVt = v_buf.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            row_stats = storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2)))  # (row, warpgroup, max|sum)
-
-            d = self.head_dim
-            span = self.kv_span(m_block, n_rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                topk_b, kv_start, positions_b)
-            if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
-                span.stage_lists(storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))), self.slots)
-            origin, n_blocks = span.origin, span.n_tiles
-            # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
-            mK_hb = cute.domain_offset((origin, 0), mK[None, None, head_kv, b])
-            mV_hb = cute.domain_offset((origin, 0), mV[None, None, head_kv, b])
-            gQ = cute.local_tile(mQ[None, None, head, b], (self.tile_m, d), (None, 0))
-            gO = cute.local_tile(mO[None, None, head, b], (self.tile_m, d), (None, 0))
-            gO_mem = cute.local_tile(mO_mem[None, None, head, b], (self.tile_m, d), (None, 0))
-            gK = cute.local_tile(mK_hb, (self.tile_n, d), (None, 0))
-            gV = cute.local_tile(mV_hb, (self.tile_n, d), (None, 0))
-
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx < self.producer_warps:
-                    self.load(
-                        q_bar, pipeline_k, pipeline_v, n_blocks, m_block,
-                        tma_atom_q, gQ, sQ, tma_atom_k, gK, sK, tma_atom_v, gV, sV, mK_hb,
-                        tma_atom_c, mC[None, None, head_kv, b], span, storage.sK.data_ptr(), warp_idx,
-                        mC_mem[None, None, head_kv, b],
-                    )
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                c = ConsumerOperands(qk_mma, pv_mma, q_bar, sQ, sK, sVt, sP, row_stats, tma_atom_o, gO, gO_mem, mLSE,
-                                     mSink, scale_log2, m_block, head, b, n_rows, span)
-                if cutlass.const_expr(self.seesaw):
-                    self.consume_seesaw(c, pv_own_mma, pipeline_k, handoffs, n_blocks)
-                else:
-                    self.consume(c, pipeline_k, pipeline_v, n_blocks)
+    def consumer_operands(self, mmas, smem: "SharedViews", tile: "TileViews", atoms, mSink, scale_log2):
+        return ConsumerOperands(mmas[0], mmas[1], smem.q_bar, smem.sQ, smem.sK, smem.sVt, smem.sP, smem.row_stats,
+                                atoms[3], tile.gO, tile.gO_mem, tile.mLSE, mSink, scale_log2, tile.m_block, tile.head,
+                                tile.b, tile.n_rows, tile.span)
 
     @cute.jit
     def init_ring(self, ring: KvChunkRing, warp_idx: cutlass.Int32):
@@ -574,87 +746,82 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def load(
-        self,
-        q_bar: cute.Pointer,
-        pipeline_k,
-        pipeline_v,
-        n_blocks: cutlass.Int32,
-        m_block: cutlass.Int32,
-        tma_atom_q: cute.CopyAtom,
-        gQ: cute.Tensor,
-        sQ: cute.Tensor,
-        tma_atom_k: cute.CopyAtom,
-        gK: cute.Tensor,
-        sK: cute.Tensor,
-        tma_atom_v: cute.CopyAtom,
-        gV: cute.Tensor,
-        sV: cute.Tensor,
-        mK_hb: cute.Tensor,  # K's (seqlen, d) of this (kv head, batch): K = V's chunked loads
-        tma_atom_c: cute.CopyAtom,
-        mC_hb: cute.Tensor,  # the compressed entries' (seqlen_c, d) (fused stage)
-        span: KvSpan,
-        ring_base: cute.Pointer,  # the ring's first byte (E top-k: rows gathered by address)
-        warp_idx: cutlass.Int32,
-        mC_mem_hb: cute.Tensor,  # the compressed entries' (seqlen_c, d) memory (E top-k)
-    ):
+    def load(self, smem: SharedViews, tile: TileViews, atoms, warp_idx: cutlass.Int32, t0=0, it=0):
         """K[L], Q, then the tiles in the order the consumers need them: K = V, KV[n] for
         n = L-1 .. 0 (one load serves both GEMMs); otherwise (K[n - 1], V[n]) pairs as
-        stage C, then V[0]. Rows past seqlen are zero-filled by TMA."""
-        tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
+        stage C, then V[0]. Rows past seqlen are zero-filled by TMA. The persistent seesaw's
+        ring uses start at ``t0``, and ``it`` counts the CTA's earlier tiles (Q waits for the
+        previous tile's epilogue to free sQ)."""
+        tma_atom_q, tma_atom_k, tma_atom_v, _, tma_atom_c = atoms
+        n_blocks, m_block, span = tile.n_blocks, tile.m_block, tile.span
+        tQsQ, tQgQ = tile_tma_partition(tma_atom_q, smem.sQ, tile.gQ)
         q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8
+        q_load = (smem.q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
         if cutlass.const_expr(self.kv_shared):
-            ring = pipeline_k
+            ring = smem.ring
             n_last = n_blocks - 1
-            tKsK, tKgK = chunk_views(tma_atom_k, mK_hb, sK, self.tile_n)
+            tKsK, tKgK = chunk_views(tma_atom_k, tile.mK_hb, smem.sK, self.tile_n)
             tCgC = None
             if cutlass.const_expr(self.has_compressed):
-                _, tCgC = chunk_views(tma_atom_c, mC_hb, sK, self.tile_n)
-            gather = (ring_base, mC_mem_hb, warp_idx)
+                _, tCgC = chunk_views(tma_atom_c, tile.mC_hb, smem.sK, self.tile_n)
+            gather = (smem.ring_base, tile.mC_mem_hb, warp_idx)
             srcs = (span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
             if cutlass.const_expr(self.seesaw):
-                self.load_pairs(ring, n_blocks, srcs, (q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes), warp_idx)
+                self.load_pairs(ring, n_blocks, srcs, q_load, warp_idx, t0, it, smem.q_empty)
             else:
                 self.load_kv(ring, 0, n_last, *srcs)
                 if warp_idx == 0:
-                    load_q(q_bar, tma_atom_q, tQgQ, tQsQ, m_block, q_bytes)
+                    load_q(*q_load)
                 for i in cutlass.range(n_last, unroll=1):
                     self.load_kv(ring, i + 1, n_last - 1 - i, *srcs)
         else:  # stage C's order (common/sm90_producer.py)
-            tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
-            tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
-            load_q_k_v(q_bar, pipeline_k, pipeline_v, self.slots, n_blocks, m_block, q_bytes,
+            tKsK, tKgK = tile_tma_partition(tma_atom_k, smem.sK, tile.gK)
+            tVsV, tVgV = tile_tma_partition(tma_atom_v, smem.sV, tile.gV)
+            load_q_k_v(smem.q_bar, smem.ring, smem.pipeline_v, self.slots, n_blocks, m_block, q_bytes,
                        tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
 
     @cute.jit
-    def load_pairs(self, ring: KvChunkRing, n_blocks, srcs, q_load, warp_idx):
-        """seesaw: the tiles of pair k (a = visit 2k, the leader's; b = 2k + 1, the follower's)
-        half by half in the order their halves are freed, FlashMLA's order: a's first half (the
-        leader's PV over a frees it first), b's second (the follower's own PV), a's second (the
-        follower's PV over a), b's first (the leader's PV over b, last). The follower's QK starts on
-        b's second half (``first_chunk``), so both warpgroups start on the first half-load of
-        their tile. Q goes right after the first one, or before it (``q_first``)."""
+    def load_pairs(self, ring: KvChunkRing, n_blocks, srcs, q_load, warp_idx, t0=0, it=0, q_empty=None):
+        """seesaw: the tiles of pair k (a = visit 2k, the leader's; b = 2k + 1, the follower's, absent
+        in the last pair of an odd count) half by half in the order their halves are freed,
+        FlashMLA's order: a's first half (the leader's PV over a frees it first), b's second (the
+        follower's own PV), a's second (the follower's PV over a), b's first (the leader's PV over
+        b, last). The follower's QK starts on b's second half (``first_chunk``), so both warpgroups
+        start on the first half-load of their tile. Ring uses count from ``t0`` (the persistent
+        CTA's earlier tiles). Q, on a CTA's first tile, goes right after the first half-load, or
+        before it (``q_first``); on a later tile (``it`` > 0) after the first pair, whose slots the
+        previous tile's PVs freed before its epilogue, so those loads overlap that epilogue, which
+        Q waits for (``q_empty``: its O store has read sQ)."""
         n_last = n_blocks - 1
-        if cutlass.const_expr(self.q_first()):
-            if warp_idx == 0:
-                load_q(*q_load)
-        for k in cutlass.range(n_blocks // 2, unroll=1):
+        for k in cutlass.range((n_blocks + 1) // 2, unroll=1):
             t_a = 2 * k
-            self.load_kv(ring, t_a, n_last - t_a, *srcs, half=0)
-            if cutlass.const_expr(not self.q_first()):
-                if k == 0:
-                    if warp_idx == 0:
-                        load_q(*q_load)
-            self.load_kv(ring, t_a + 1, n_last - t_a - 1, *srcs, half=1)
-            self.load_kv(ring, t_a, n_last - t_a, *srcs, half=1)
-            self.load_kv(ring, t_a + 1, n_last - t_a - 1, *srcs, half=0)
-        if n_blocks % 2 == 1:  # the last pair has no b
-            self.load_kv(ring, n_last, 0, *srcs, half=0)
-            if cutlass.const_expr(not self.q_first()):
-                if n_blocks == 1:
-                    if warp_idx == 0:
-                        load_q(*q_load)
-            self.load_kv(ring, n_last, 0, *srcs, half=1)
+            has_b = t_a < n_last
+            if k == 0:
+                if it == 0:
+                    if cutlass.const_expr(self.q_first()):
+                        self.issue_q(q_load, warp_idx, it, q_empty)
+            self.load_kv(ring, t0 + t_a, n_last - t_a, *srcs, half=0)
+            if k == 0:
+                if it == 0:
+                    if cutlass.const_expr(not self.q_first()):
+                        self.issue_q(q_load, warp_idx, it, q_empty)
+            if has_b:
+                self.load_kv(ring, t0 + t_a + 1, n_last - t_a - 1, *srcs, half=1)
+            self.load_kv(ring, t0 + t_a, n_last - t_a, *srcs, half=1)
+            if has_b:
+                self.load_kv(ring, t0 + t_a + 1, n_last - t_a - 1, *srcs, half=0)
+            if k == 0:
+                if it > 0:
+                    self.issue_q(q_load, warp_idx, it, q_empty)
+
+    @cute.jit
+    def issue_q(self, q_load, warp_idx, it, q_empty):
+        """Warp 0: Q's TMA; on a CTA's later tile first the wait for the previous epilogue's store to
+        have read sQ (phase it - 1 of q_empty)."""
+        if warp_idx == 0:
+            if it > 0:
+                cute.arch.mbarrier_wait(q_empty, (it - 1) % 2)
+            load_q(*q_load)
 
     def q_first(self) -> bool:
         """seesaw: issue Q's TMA before the first KV half-load. A TMA half-load is one issue, so
@@ -776,7 +943,7 @@ class FlashAttentionD1Sm90:
 
     @cute.jit
     def consume_seesaw(self, c: ConsumerOperands, pv_own_mma: cute.TiledMma, ring: KvChunkRing, handoffs: list,
-                       n_blocks: cutlass.Int32):
+                       n_blocks: cutlass.Int32, t0=0, r0=0, it=0, q_empty=None):
         """Pairs of KV tiles (a, b) = visits (2k, 2k + 1): the leader computes S_a, the follower
         S_b, each over the whole head dim, and each adds both tiles' P V to its O columns. See
         ``seesaw_lead`` / ``seesaw_follow`` for one pair; an odd tile count ends with a pair
@@ -808,30 +975,39 @@ class FlashAttentionD1Sm90:
         mmas = (qk_mma, pv_mma, pv_own_mma)
         first_row = c.m_block * self.tile_m
 
-        cute.arch.mbarrier_wait(c.q_bar, 0)
+        cute.arch.mbarrier_wait(c.q_bar, it % 2)
         n_pairs = n_blocks // 2
+        base = (t0, r0)
         if wg == 0:
             for k in cutlass.range(n_pairs, unroll=1):
                 self.seesaw_lead(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
-                                 span, n_blocks, first_row)
+                                 span, n_blocks, first_row, base)
             if n_blocks % 2 == 1:
                 self.seesaw_lead(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
-                                 row_stats, span, n_blocks, first_row)
-            warpgroup.wait_group(0)  # the last PV over the follower's P (sQ is overwritten next)
+                                 row_stats, span, n_blocks, first_row, base)
+            self.seesaw_lead_end(ring, n_blocks, t0)
         else:
             for k in cutlass.range(n_pairs, unroll=1):
                 self.seesaw_follow(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
-                                   span, n_blocks, first_row)
+                                   span, n_blocks, first_row, base)
             if n_blocks % 2 == 1:
                 self.seesaw_follow(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
-                                   row_stats, span, n_blocks, first_row)
+                                   row_stats, span, n_blocks, first_row, base)
 
         # both warpgroups hold O at the same max; the row sums meet in the epilogue
-        self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, wg, tidx)
+        self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, wg, tidx, q_empty)
+
+    @cute.jit
+    def seesaw_lead_end(self, ring: KvChunkRing, n_blocks, t0):
+        """The leader after its last pair: its PV over the follower's P (sQ is overwritten next, and
+        the last tile b's first half is freed here, as a pair's start frees the previous b's)."""
+        warpgroup.wait_group(0)
+        if n_blocks % 2 == 0:
+            self.seesaw_release_b(ring, t0 + n_blocks - 1)
 
     @cute.jit
     def seesaw_lead(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
-                    softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
+                    softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row, base=(0, 0)):
         """Warpgroup 0, pair k (tile a = visit 2k, tile b = visit 2k + 1, when ``has_b``):
 
             S_a = Q K_a[L]^T (group); [PV_bL of pair k - 1 done: release b's first half]
@@ -839,7 +1015,7 @@ class FlashAttentionD1Sm90:
             m_a = max(m, rowmax S_a) -> SMEM, hand over (handoff 0)      (the follower needs it)
             P_a = exp2(S_a - m_a); l = l r_a + sum P_a; O_L = O_L r_a + P_a V_a[:, L]   (RS)
             [PV_aL done: release a's first half]
-            wait for handoff 1; m_b from SMEM; r_b = exp2(m_a - m_b); l *= r_b
+            wait for handoff 1; [release b's second half]; m_b from SMEM; r_b = exp2(m_a - m_b); l *= r_b
             P_a r_b -> sP[0], hand over (handoff 2)                  (the follower's PV_aR)
             O_L *= r_b; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
 
@@ -848,20 +1024,27 @@ class FlashAttentionD1Sm90:
         not after a's second half has landed (the whole QK's issue waits for it): the producer
         loads a pair's halves in the order a.L, b.R, a.R, b.L, and b.L goes into that half, so
         freeing it after a.R landed made the follower, whose QK ends on b.L, wait for two loads
-        in a row each pair (FlashMLA's leader frees it between its two QK groups too)."""
+        in a row each pair (FlashMLA's leader frees it between its two QK groups too).
+
+        ``base`` = (t0, r0): the ring uses and handoff rounds of the CTA's earlier tiles (the
+        persistent kernel); tile a is ring use t0 + 2k, pair k is handoff round r0 + k. Every half
+        of every use counts both warpgroups' releases (``seesaw_halves``), so the leader also frees
+        b's second half, which it never reads, once the follower's handoff 1 says b has landed."""
         qk_mma, pv_mma, pv_own_mma = mmas
-        t = 2 * k
-        tSrK = ops.tSrK[None, None, None, t % self.slots]
-        ring.gemm_qk(t, qk_mma, acc_s, ops.tSrQ, tSrK, chunks=ring.r_chunk)
+        t = 2 * k  # tile a's visit in this tile's span
+        ta = base[0] + t  # its ring use
+        rnd = base[1] + k
+        tSrK = ops.tSrK[None, None, None, ta % self.slots]
+        ring.gemm_qk(ta, qk_mma, acc_s, ops.tSrQ, tSrK, chunks=ring.r_chunk)
         if k > 0:  # pair k - 1's PV over P_b (issued before this QK) is done: b's slot is free to us
             warpgroup.wait_group(1)
-            self.seesaw_release_b(ring, t - 1)
-        ring.gemm_qk(t, qk_mma, acc_s, ops.tSrQ, tSrK, first_chunk=ring.r_chunk, chunks=ring.chunks - ring.r_chunk,
+            self.seesaw_release_b(ring, ta - 1)
+        ring.gemm_qk(ta, qk_mma, acc_s, ops.tSrQ, tSrK, first_chunk=ring.r_chunk, chunks=ring.chunks - ring.r_chunk,
                      accumulate=True)
         warpgroup.wait_group(0)
         overlap = self.o_col1 < self.o_width
         if cutlass.const_expr(not overlap):  # only this QK read the second half of tile a
-            ring.release(t, 1)
+            ring.release(ta, 1)
         if t == 0:
             self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=True)
         else:
@@ -872,26 +1055,29 @@ class FlashAttentionD1Sm90:
         row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max)
         convert_p_packed(acc_s, r_p)
         scale_rows(acc_o, row_scale)
-        gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t % self.slots], zero_init=False)
+        gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, ta % self.slots], zero_init=False)
         warpgroup.wait_group(0)  # PV_aL done: a's first half (and a top-k slot's list, read by the mask) is free
-        ring.release(t, 0)
+        ring.release(ta, 0)
         if cutlass.const_expr(overlap):
-            ring.release(t, 1)
+            ring.release(ta, 1)
         # the follower's max (in the last pair without b: the leader's own, r_b = 1)
-        handoffs[1].wait(k)
+        handoffs[1].wait(rnd)
+        if cutlass.const_expr(has_b):  # the follower's QK waited for all of b: its second half is not ours
+            ring.release(ta + 1, 1)
         row_scale = softmax.follow(self.read_max(stat_rows, row_stats, 1))
         scale_rows(acc_s, row_scale)
         store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(0)])  # r_p is free: its PV is done
         handoffs[2].arrive()
         scale_rows(acc_o, row_scale)
         if cutlass.const_expr(has_b):
-            ring.wait_full(t + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them
+            ring.wait_full(ta + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them
             gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(1)],
-                 ops.tOrV[None, None, None, (t + 1) % self.slots], zero_init=False)
+                 ops.tOrV[None, None, None, (ta + 1) % self.slots], zero_init=False)
 
     @cute.jit
     def seesaw_follow(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o,
-                      r_p, softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row):
+                      r_p, softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row,
+                      base=(0, 0)):
         """Warpgroup 1, pair k:
 
             S_b = Q K_b^T; mask; [release b's first half]; tile max    (while the leader works on a)
@@ -903,19 +1089,27 @@ class FlashAttentionD1Sm90:
             wait both PVs, release their halves
 
         Without b (the last pair of an odd count) the follower only adopts m_a (r = exp2(m - m_a))
-        and adds P_a V_a[:, R]."""
+        and adds P_a V_a[:, R]. ``base`` as the leader's; the follower also frees a's first half,
+        which it never reads, as the pair starts (it must not be the later of the two arrivals: the
+        next tile a's first half-load waits for them)."""
         qk_mma, pv_mma, pv_own_mma = mmas
-        t_a = 2 * k
+        t_a = 2 * k  # this tile's visits
         t_b = t_a + 1
+        ra = base[0] + t_a  # their ring uses
+        rb = ra + 1
+        rnd = base[1] + k
+        # a's first half: never read here, freed at once. The slot's previous use is done: the
+        # follower passed the handoffs (or the epilogue) that follow the leader's release of it
+        ring.release(ra, 0)
         tile_max = None
         if cutlass.const_expr(has_b):
-            ring.gemm_qk(t_b, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, t_b % self.slots],
+            ring.gemm_qk(rb, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, rb % self.slots],
                          first_chunk=self.o_col1 // CHUNK_COLS)  # the half its producer loads first
             warpgroup.wait_group(0)
             self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t_b, first_row, first=False)
-            ring.release(t_b, 0)  # after the mask: a top-k slot's staged list is read there
+            ring.release(rb, 0)  # after the mask: a top-k slot's staged list is read there
             tile_max = softmax.tile_max(acc_s)
-        handoffs[0].wait(k)
+        handoffs[0].wait(rnd)
         m_lead = self.read_max(stat_rows, row_stats, 0)
         if cutlass.const_expr(has_b):
             row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max, floor=m_lead)
@@ -927,17 +1121,17 @@ class FlashAttentionD1Sm90:
         handoffs[1].arrive()
         scale_rows(acc_o, row_scale)
         if cutlass.const_expr(has_b):
-            gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, t_b % self.slots],
+            gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, rb % self.slots],
                  zero_init=False)
-        handoffs[2].wait(k)
-        ring.wait_full(t_a, self.o_col1 // CHUNK_COLS, self.head_dim // CHUNK_COLS)  # the leader's QK waited
+        handoffs[2].wait(rnd)
+        ring.wait_full(ra, self.o_col1 // CHUNK_COLS, self.head_dim // CHUNK_COLS)  # the leader's QK waited
         gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(0)],
-             ops.tOrV[None, None, None, t_a % self.slots], zero_init=False)
+             ops.tOrV[None, None, None, ra % self.slots], zero_init=False)
         if cutlass.const_expr(has_b):
             warpgroup.wait_group(1)
-            ring.release(t_b, 1)
+            ring.release(rb, 1)
         warpgroup.wait_group(0)
-        ring.release(t_a, 1)
+        ring.release(ra, 1)
 
     @cute.jit
     def seesaw_release_b(self, ring: KvChunkRing, t_b):
@@ -965,10 +1159,11 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def epilogue(self, c: ConsumerOperands, acc_o, softmax: OnlineSoftmax, stat_rows, tScS, thr_pv, wg, tidx):
+    def epilogue(self, c: ConsumerOperands, acc_o, softmax: OnlineSoftmax, stat_rows, tScS, thr_pv, wg, tidx,
+                 q_empty=None):
         """[split, seesaw: the row sums of the two warpgroups added through SMEM]; O /= l (and the
         sink's seam); O over sQ, one TMA store; LSE (split, seesaw: warpgroup 0's copy, both
-        hold the same rows)."""
+        hold the same rows). ``q_empty`` (persistent): arrived on once the store has read sQ."""
         total = None
         if cutlass.const_expr(self.split):
             total = self.exchange_sums(softmax, stat_rows, c.row_stats, wg)
@@ -976,7 +1171,8 @@ class FlashAttentionD1Sm90:
         self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
         scale_rows(acc_o, inv_sum)
         first_row = c.m_block * self.tile_m
-        self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx, c.seqlen_q - first_row)
+        self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx, c.seqlen_q - first_row,
+                     q_empty)
         if cutlass.const_expr(self.split):
             if wg == 0:
                 store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
@@ -1000,13 +1196,16 @@ class FlashAttentionD1Sm90:
         return make_pv_tiled_mma(self.dtype, self.o_width, warpgroups=1)
 
     def seesaw_halves(self):
-        """seesaw: the warps that read each half of a tile in an even (leader's S) and an odd
-        (follower's S) ring slot: half 0 = chunks [0, c_1 / 64), only warpgroup 0's PV reads
-        them; half 1 = the rest, warpgroup 1's PV columns (and warpgroup 0's where the halves
-        overlap, at 320 and 448). The warpgroup that computes a tile's S reads both halves."""
-        overlap = self.o_col1 < self.o_width
+        """seesaw: the warps that free each half of a tile in an even and an odd ring slot: all eight,
+        in both. Half 0 = chunks [0, c_1 / 64), read by the QK of the warpgroup that computes the
+        tile's S and by warpgroup 0's PV; half 1 = the rest, by that QK and warpgroup 1's PV. The
+        warpgroup that reads neither half (the follower for tile a's first, the leader for b's
+        second) frees it too, after a handoff that follows the other warpgroup's wait for that
+        use's landing. So the count does not depend on which warpgroup's S a slot holds, and a
+        persistent CTA's next tile may start its ring uses at either parity (an odd tile count
+        leaves the next tile's a in an odd slot)."""
         warps = THREADS_PER_WARPGROUP // 32  # of one warpgroup
-        return ((warps, 2 * warps), (2 * warps, 2 * warps if overlap else warps))
+        return ((2 * warps, 2 * warps), (2 * warps, 2 * warps))
 
     def p_smem_layout(self) -> cute.ComposedLayout:
         """sP (tile_m, tile_n, p_buffers) (common/smem_p.py); a 64-key placeholder view
@@ -1157,7 +1356,7 @@ class FlashAttentionD1Sm90:
             gemm(pv_mma, acc_o, tOrP, tOrV[None, None, None, v_index], zero_init=False)
 
     @cute.jit
-    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, rows_left):
+    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, rows_left, done_bar=None):
         """O (normalized) -> 16 bits -> SMEM over sQ -> one TMA store (common/sm90_epilogue.py).
         split: warpgroup w writes its columns; where the halves overlap (320, 448) warpgroup 1
         skips the columns warpgroup 0 writes. varlen: a tile with fewer than tile_m rows left in
@@ -1166,17 +1365,18 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(self.varlen):
             if rows_left < self.tile_m:
                 self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx,
-                                 gO_rows=gO_mem[None, None, m_block], rows_left=rows_left)
+                                 gO_rows=gO_mem[None, None, m_block], rows_left=rows_left, done_bar=done_bar)
             else:
-                self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
+                self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, done_bar=done_bar)
         else:
-            self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
+            self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, done_bar=done_bar)
 
     @cute.jit
-    def store_o_tma(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, gO_rows=None, rows_left=None):
+    def store_o_tma(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, gO_rows=None, rows_left=None,
+                    done_bar=None):
         barrier_id = int(Sm90FwdBarrier.EPILOGUE)
         is_store_warp = tidx // 32 == 0
-        rows = {"gO_rows": gO_rows, "rows_left": rows_left, "tidx": tidx}
+        rows = {"gO_rows": gO_rows, "rows_left": rows_left, "tidx": tidx, "done_bar": done_bar}
         if cutlass.const_expr(self.split):
             sO_w = cute.local_tile(cute.domain_offset((0, wg * self.o_col1), sQ[None, None, 0]),
                                    (WGMMA_M, self.o_width), (0, 0))

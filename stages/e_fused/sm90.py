@@ -98,6 +98,13 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
                 self.gather_tile(ring, t, n, span, ring_base, mC_hb, half)
             elif warp_idx == 0:
                 ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
+            else:
+                # a TMA tile is warp 0's, but every producer warp waits for its slot half too:
+                # a parity wait passes when the barrier is two phases behind, so each warp must
+                # wait for every use of a half in turn. Warps that skipped the window's tiles ran
+                # ahead into the next Q tile's gathers of a persistent CTA (an unspecified launch
+                # failure on the H200, 2026-11-26; tests/test_e_seesaw_protocol.py)
+                ring.wait_load(t, half)
         elif cutlass.const_expr(self.has_compressed):
             if n < span.n_cmp:
                 ring.load(t, tma_atom_c, tCgC, tKsK, n, half)
