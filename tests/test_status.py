@@ -196,3 +196,17 @@ def test_two_passes_combine_into_one_record():
     assert c["tests"] == {"e": {"sm90": {"passed": 5, "failed": 1}}, "a": {"sm90": {"passed": 1}}}
     assert c["by_kind"]["e"]["sm90"] == {"gpu": {"passed": 3}, "compile": {"passed": 2, "failed": 1}}
     assert c["errors"] == a["errors"]
+
+
+def test_bench_date_counts_only_runs_that_benchmarked_the_stage():
+    """A stage's measured cell carries the date of the last run that benchmarked it: a later run of
+    the calls or decode benchmark (stages []) or of other stages does not move it."""
+    rep = {"date": "2026-11-26 14:48 UTC", "runs": [
+        {"bench": True, "date": "2026-11-25 09:30 UTC", "stages": ["d1", "e"]},
+        {"bench": False, "date": "2026-11-25 18:00 UTC", "stages": ["d1"]},  # tests only
+        {"bench": True, "date": "2026-11-26 10:00 UTC", "stages": ["c"]},
+        {"bench": True, "date": "2026-11-26 14:48 UTC", "stages": []},
+    ]}
+    assert status._bench_date(rep, "d1") == "2026-11-25 09:30 UTC"
+    assert status._bench_date(rep, "c") == "2026-11-26 10:00 UTC"
+    assert status._bench_date(rep, "d4") == rep["date"]  # never benchmarked: the report's date

@@ -84,10 +84,11 @@ def _tests_date(rep: dict, stage: str, parts) -> str:
 
 
 def _bench_date(rep: dict, stage: str) -> str:
-    """When the stage's benchmark rows last ran (the report's runs), else the report's date: a report
-    merges runs of several days, and its own date is the last one's."""
+    """When the stage's benchmark rows last ran (the report's runs naming it), else the report's
+    date: a report merges runs of several days, and its own date is the last one's. A run whose
+    stage list is empty benchmarked no stage (``--stage calls`` / ``decode``)."""
     dates = [r["date"] for r in rep.get("runs", []) if r.get("bench") and r.get("date")
-             and (not r.get("stages") or stage in r["stages"])]
+             and stage in (r.get("stages") or ())]
     return max(dates) if dates else rep.get("date", "?")
 
 
