@@ -16,7 +16,8 @@ for the scalars, and ``STREAM`` where the kernel takes its CUDA stream. From tha
   every batch, seqlen and head count of a configuration, and the CPU compiles of CI and the
   kernel cache build exactly what a GPU call runs.
 
-The configuration key is (kernel class, arch, dtype, head dim, compile-time options); compiled
+The configuration key is (stage, arch, dtype, head dim, compile-time options[, a persistent
+kernel's CTA count]); compiled
 functions live in a per-process dict, and across processes in the library's directory of
 exported kernels (common/kernel_cache.py: keyed by that configuration, the library's sources
 and the DSL version; a stale entry is never served).
@@ -157,12 +158,17 @@ def kernel_maker(kernels: dict):
     return make_kernel
 
 
-def config_key(stage_id: str, arch: str, dtype, head_dim: int, options: dict) -> tuple:
-    """A kernel configuration's key (in this process's dict and, hashed, in the kernel cache); it
-    ends with the persistent kernels' CTA count (common/persistent.py), baked into the binary."""
+def config_key(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, options: dict) -> tuple:
+    """A kernel configuration's key (in this process's dict and, hashed, in the kernel cache). A
+    persistent kernel's (its class's ``persistent_for(head_dim, **options)``) ends with its CTA
+    count (common/persistent.py), which is baked into the binary; the others do not depend on it."""
     from dsv4_attention.common import persistent
 
-    return (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())), ("ctas", persistent.grid_ctas()))
+    key = (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())))
+    persistent_for = getattr(kernel_class(kernels, arch), "persistent_for", None)
+    if persistent_for is not None and persistent_for(head_dim, **options):
+        key += (("ctas", persistent.grid_ctas()),)
+    return key
 
 
 def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, args, options: dict | None = None):
@@ -172,7 +178,7 @@ def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, 
     from dsv4_attention.common import kernel_cache
 
     options = dict(options or {})
-    key = config_key(stage_id, arch, dtype, head_dim, options)
+    key = config_key(stage_id, kernels, arch, dtype, head_dim, options)
     build = lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options), args, arch)
     return cached(key, lambda: kernel_cache.load_or_compile(key, build))
 

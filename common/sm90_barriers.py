@@ -29,6 +29,10 @@ class Sm90FwdBarrier(enum.IntEnum):
     P_READY_WG0 = 7
     P_READY_WG1 = 8
     P_READY_WG2 = 9
+    # the persistent seesaw's epilogue: warpgroup w's O chunk is in its P buffer (write, then the
+    # one-lane TMA store), and the previous chunk's store has read it (common/sm90_epilogue.py)
+    EPILOGUE_WG0 = 10
+    EPILOGUE_WG1 = 11
 
 
 

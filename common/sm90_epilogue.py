@@ -11,11 +11,12 @@ the load wrote Q) -> TMA store; rows past seqlen_q are clipped by TMA.
     each thread writes its O values; fence.proxy.async.shared::cta makes the
     generic-proxy writes visible to the TMA (async proxy).
     EPILOGUE barrier again: the store warp syncs, the others only arrive (they
-        have nothing left to wait for; in a persistent CTA they sync too, at the same
-        instruction: see ``store_o``); then one lane of the store warp issues the
-        store, commits and waits for its SMEM reads before the CTA may exit (a
-        persistent CTA's lane then arrives on its q_empty barrier: the producer may
-        load the next tile's Q over sO).
+        have nothing left to wait for); then one lane of the store warp issues the
+        store, commits and waits for its SMEM reads before the CTA may exit.
+
+The persistent seesaw (stage D1's two warpgroups holding O's column halves) streams O through
+its P buffers instead (``store_o_chunks``): sQ is then free as soon as the last QK has read it,
+and the next tile's Q loads under this tile's last PVs and epilogue.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ def store_o(
     gO_rows: cute.Tensor | None = None,
     rows_left=None,
     tidx=None,
-    done_bar: cute.Pointer | None = None,
 ):
     """acc_o (fp32, already normalized) -> sO (tile_m, head_dim, 1) -> tile m_block of
     gO (tile_m, head_dim, m_blocks).
@@ -54,8 +54,7 @@ def store_o(
     global memory), ``rows_left``, ``tidx`` (0 .. num_threads - 1): instead of the TMA store,
     every thread copies its share of the rows < rows_left from sO (the Q tile that straddles the
     end of its request in a variable-length batch, where the TMA box would write the next
-    request's rows). ``done_bar`` (a persistent kernel's): one arrival once sO has been read (the
-    TMA store's reads waited for, or every thread's copy done), so the next tile's Q may land there."""
+    request's rows)."""
     r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
     r_o.store(acc_o.load().to(sO.element_type))
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
@@ -74,44 +73,22 @@ def store_o(
     if cutlass.const_expr(gO_rows is not None):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         copy_rows(sO[None, None, 0], gO_rows, rows_left, tidx, num_threads)
-        if cutlass.const_expr(done_bar is not None):  # every thread's reads of sO done, before TMA writes it
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-            if tidx == 0:
-                cute.arch.mbarrier_arrive(done_bar)
-    elif cutlass.const_expr(done_bar is not None):
-        # a persistent CTA: every consumer warp syncs, at one barrier instruction. With bar.arrive
-        # for the other warps, racecheck reported thousands of write-after-read hazards on the next
-        # tile's row-sum exchange (stage D3's varlen case); with bar.sync in two branches,
-        # synccheck reported divergent threads (H200, 2026-11-26)
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-        if is_store_warp:
-            tma_store(tma_atom_o, sO, gO, m_block, done_bar)
     elif is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
         tma_store(tma_atom_o, sO, gO, m_block)
     else:
         cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads)
-    if cutlass.const_expr(done_bar is not None):
-        # the warps reconverge after the one-lane store: a persistent kernel's next tile issues
-        # wgmma after this, and without the sync ptxas serializes every wgmma of the kernel
-        # (remark C7519, "WG.AR in divergent path": 27 % slower on the H200; common/compile.py
-        # fails a kernel that has it)
-        cute.arch.sync_warp()
 
 
 @cute.jit
-def tma_store(tma_atom_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor, m_block: cutlass.Int32,
-              done_bar: cute.Pointer | None = None):
+def tma_store(tma_atom_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor, m_block: cutlass.Int32):
     """The store warp: sO -> tile m_block of gO, one TMA. Bulk groups are per thread: one lane
-    issues, commits and waits for the store's SMEM reads (then arrives on ``done_bar``)."""
+    issues, commits and waits for the store's SMEM reads."""
     tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
     with cute.arch.elect_one():
         cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if cutlass.const_expr(done_bar is not None):
-            cute.arch.mbarrier_arrive(done_bar)
 
 
 @cute.jit
@@ -134,6 +111,74 @@ def store_lse(
             if row < seqlen_q:
                 mLSE[batch, head, row] = lse[i]
 
+
+@cute.jit
+def store_o_chunks(
+    acc_o: cute.Tensor,
+    sO: cute.Tensor,
+    tOsO: cute.Tensor,
+    tma_atom_o: cute.CopyAtom,
+    gO: cute.Tensor,
+    first_chunk,
+    barrier_id,
+    is_store_warp: cutlass.Boolean,
+    gO_rows: cute.Tensor | None = None,
+    rows_left=None,
+    tidx=None,
+):
+    """One warpgroup's O columns, 64 at a time, through one (64, 64) SMEM buffer.
+
+    ``acc_o``: the warpgroup's normalized fp32 accumulator of n 64-column chunks, the wgmma C
+    fragment ((2, 2, 8 n), 1, 1) whose flat value index is col_pair + 2 row_half + 4 col_group
+    (col = lane's pair + 8 col_group): chunk j is values [32 j, 32 j + 32), laid out as the C
+    fragment of a 64 x 64 wgmma. ``sO``: the buffer, (64, 64, 1) K-major 128B-swizzled (a P
+    buffer: the layout TMA boxes of 64 columns use); ``tOsO``: this thread's values in it, the
+    64 x 64 C partition (the kernel passes the view its P stores use: the same addresses, which
+    the compiler keeps once, not a second set alive across a persistent CTA's tile loop).
+    ``gO``: the tile's (64, 64, chunks) global chunks; this warpgroup's are ``first_chunk`` on.
+    ``barrier_id``: the warpgroup's own named barrier (128 threads); ``is_store_warp``: its
+    first warp, one lane of which issues each chunk's TMA store.
+
+    O is converted to 16 bits first; then per chunk: [the previous chunk's store has read sO,
+    sync]; write, fence for the async proxy; sync; one TMA box (or, for a tile that straddles its request's end, every
+    thread copies rows < ``rows_left`` of the chunk to ``gO_rows``, the tile's (64, head_dim)
+    memory). At the end the last store's reads are waited for and the warpgroup synced: the
+    buffer holds the next tile's P after this."""
+    rows, cols = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
+    frag = cute.make_layout(tOsO.shape)
+    per = cute.size(frag)  # values of one chunk (32: 64 x 64 over 128 threads)
+    n_chunks = cute.size(acc_o) // per
+    sO_tma, gO_tma = tile_tma_partition(tma_atom_o, sO, gO)
+    # all of O to 16 bits first: half the registers live through the chunks' waits (fp32 spilled)
+    r_o = cute.make_rmem_tensor(acc_o.layout, sO.element_type)
+    r_o.store(acc_o.load().to(sO.element_type))
+    for j in cutlass.range_constexpr(n_chunks):
+        if cutlass.const_expr(j > 0):
+            if cutlass.const_expr(gO_rows is None):
+                if is_store_warp:
+                    with cute.arch.elect_one():
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        cute.autovec_copy(cute.make_tensor(r_o.iterator + j * per, frag), tOsO)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        if cutlass.const_expr(gO_rows is None):
+            if is_store_warp:
+                with cute.arch.elect_one():
+                    cute.copy(tma_atom_o, sO_tma[None, 0], gO_tma[None, first_chunk + j])
+                    cute.arch.cp_async_bulk_commit_group()
+        else:
+            copy_rows(sO[None, None, 0], cute.local_tile(gO_rows, (rows, cols), (0, first_chunk + j)), rows_left, tidx,
+                      128)
+    if cutlass.const_expr(gO_rows is None):
+        if is_store_warp:
+            with cute.arch.elect_one():
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+    # the warps reconverge after the one-lane stores: the next tile issues wgmma after this, and
+    # without the sync ptxas serializes every wgmma of the kernel (remark C7519, "WG.AR in
+    # divergent path": 27 % slower on the H200; common/compile.py fails a kernel that has it)
+    cute.arch.sync_warp()
 
 
 @cute.jit

@@ -19,10 +19,11 @@ with recording stand-ins for the ring, the handoffs and the wgmma calls (``seesa
                sP buffer
 
 A persistent CTA's sequence of Q tiles (``PERSISTENT``) is traced tile after tile with the ring
-uses, handoff rounds and Q phases counted on, as ``run_tiles`` does, and adds Q to the check: the
-producer's Q of tile i waits for the epilogue of tile i - 1 to free sQ (``q_empty``), the
-consumers wait for it, no QK may still read sQ when Q lands or O is written over it, and O must be
-in sQ (both warpgroups past the epilogue's write) before the store frees it.
+uses, handoff rounds and Q phases counted on, as ``run_tiles`` does, and adds Q and the epilogue
+to the check: the producer's Q of tile i waits until both warpgroups of tile i - 1 freed sQ
+(``release_q``, each after its last QK: ``q_empty``), the consumers wait for it, and no QK may
+still read sQ when Q lands; each warpgroup's epilogue stages O in its own sP buffer after both
+met at the row sums, which no PV may still read then, nor a round of P be left unread.
 
 Every barrier is modelled as the hardware's parity wait: a wait for round r passes when the number
 of completed phases has the other parity than r, and the check also asserts it is exactly r + 1
@@ -116,7 +117,7 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
     modules = {sys.modules[c.__module__] for c in kernel_cls.__mro__ if c.__module__.startswith("dsv4_attention")}
 
     ops = {"producer": [], 0: [], 1: []}
-    current = {"role": None, "k": 0, "t0": 0}
+    current = {"role": None, "k": 0, "t0": 0, "it": 0}
 
     def gemm(mma, acc, a, b, zero_init=False):  # a PV: reads the warpgroup's own half of its operand's tile
         wg = current["role"]
@@ -165,9 +166,10 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
     # the kernel's own helpers that release (jit methods), run as plain Python too
     monkeypatch.setattr(k, "seesaw_release_b", lambda ring, t: plain(type(k).seesaw_release_b)(k, ring, t),
                         raising=False)
-    # Q's TMA (the producer's issue_q: after the previous tile's epilogue freed sQ)
+    # Q's TMA (the producer's issue_q: after both warpgroups' release_q of the previous tile)
     monkeypatch.setattr(k, "issue_q", lambda q_load, warp_idx, it, q_empty: ops["producer"].append(("q", it)),
                         raising=False)
+    monkeypatch.setattr(k, "release_q", lambda q_empty: record("q_release", current["it"]), raising=False)
     rec = {role: _Recorder(k, ops[role], 0) for role in ops}
 
     # the producer (the kernel's load_pairs, its load_kv recording the half-loads), tile after tile
@@ -178,8 +180,8 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
         t0 += n
 
     # the consumers: stage D1's consume_seesaw around seesaw_lead / seesaw_follow, tile after tile:
-    # wait for Q, the pairs, the leader's end, then the epilogue (both warpgroups meet at the row
-    # sums' barrier; O is written over sQ; the store's read frees sQ: q_empty)
+    # wait for Q, the pairs (whose last QKs free sQ: release_q), the leader's end, then the
+    # epilogue (both warpgroups meet at the row sums' barrier; each stages O in its sP buffer)
     mmas = (_Anything(), _Anything(), _Anything())
     for wg, fn in ((0, kernel_cls.seesaw_lead), (1, kernel_cls.seesaw_follow)):
         current["role"] = wg
@@ -188,7 +190,7 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
         for it, n in enumerate(tiles):
             # acc_s, acc_o, r_p, softmax, stat_rows, row_stats, span, then n_blocks and first_row
             rest = [_Anything() for _ in range(7)] + [n, _Anything()]
-            current["t0"] = t0
+            current["t0"], current["it"] = t0, it
             ops[wg].append(("wait_q", it))
             for pair in range(n // 2 + n % 2):
                 current["k"] = pair
@@ -196,11 +198,8 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
                 plain(fn)(k, pair, has_b, mmas, rec[wg], handoffs, _Anything("ops"), *rest, (t0, r0))
             if wg == 0:
                 plain(kernel_cls.seesaw_lead_end)(k, rec[0], n, t0)
-            ops[wg].append(("epilogue", it))  # the row sums' barrier: then O goes over sQ
-            ops[wg].append(("o_written", it))
-            if wg == 0:  # the store warp syncs with every O write (EPILOGUE), its store reads sQ: q_empty
-                ops[wg].append(("store_sync", it))
-                ops[wg].append(("q_free", it))
+            ops[wg].append(("epilogue", it))  # the row sums' barrier
+            ops[wg].append(("o_stage", ("p", kernel.own_p_buffer(wg)), it))  # O through sP[wg], stores read
             t0 += n
             r0 += (n + 1) // 2
     return ops
@@ -213,9 +212,8 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
     need = kernel.seesaw_halves()  # [slot parity][half]: warps that release a half
     roles = ("producer", 0, 1)
     n_handoffs = 1 + max(op[1] for role in roles for op in ops[role] if op[0] in ("arrive", "wait_h"))
-    # Q: (tiles landed, tiles whose sQ the epilogue freed); index of each consumer's epilogue ops
+    # Q: (tiles landed, warpgroup releases of sQ: two a tile); index of each consumer's epilogue
     epi_at = {wg: [i for i, op in enumerate(ops[wg]) if op[0] == "epilogue"] for wg in (0, 1)}
-    o_at = {wg: [i for i, op in enumerate(ops[wg]) if op[0] == "o_written"] for wg in (0, 1)}
     start = ((0, 0, 0), (), (), frozenset(), ((), ()), (0,) * n_handoffs, (), (0, 0))
     # state: pcs, landed[(slot, half)] counts as a sorted tuple, empty arrivals likewise,
     # loads in flight, groups in flight per warpgroup (each: its ring reads, the sP buffer it reads
@@ -319,14 +317,12 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                         return f"handoff {i_h} round {r}: lapped ({hand[i_h]} rounds)"
                     succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
             elif kind == "q":  # the producer's Q TMA (lands at once: the consumers' wait is the check)
-                it = op[1]
-                if it == 0 or qs[1] % 2 != (it - 1) % 2:
-                    if it > 0 and qs[1] != it:
-                        return f"Q of tile {it}: q_empty lapped ({qs[1]} tiles freed)"
+                it, freed = op[1], qs[1] // 2  # q_empty's phases: both warpgroups' releases
+                if it == 0 or freed % 2 != (it - 1) % 2:
+                    if it > 0 and freed != it:
+                        return f"Q of tile {it}: q_empty lapped ({freed} tiles freed)"
                     if any(q for wg in (0, 1) for _, _, q in groups[wg]):
                         return f"Q of tile {it} loaded while a QK still reads sQ"
-                    if it > 0 and any(pcs[1 + wg] <= o_at[wg][it - 1] for wg in (0, 1)):
-                        return f"Q of tile {it} loaded over O of tile {it - 1} before its store read it"
                     succ.append((nxt, landed, empty, flying, groups, hand, bufs, (qs[0] + 1, qs[1])))
             elif kind == "wait_q":
                 it = op[1]
@@ -334,21 +330,21 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                     if qs[0] != it + 1:
                         return f"Q of tile {it}: q_bar lapped ({qs[0]} landed)"
                     succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
-            elif kind == "epilogue":  # both warpgroups meet (the row sums), then O goes over sQ
+            elif kind == "q_release":  # release_q: one of q_empty's two arrivals of the tile
+                succ.append((nxt, landed, empty, flying, groups, hand, bufs, (qs[0], qs[1] + 1)))
+            elif kind == "epilogue":  # both warpgroups meet (the row sums)
                 it, other = op[1], 1 - role
                 if pcs[1 + other] >= epi_at[other][it]:
-                    if any(q for wg in (0, 1) for _, _, q in groups[wg]):
-                        return f"O of tile {it} written over sQ while a QK still reads it"
-                    if qs[0] != it + 1:
-                        return f"O of tile {it} written over sQ holding another tile's Q ({qs[0]} landed)"
                     succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
-            elif kind == "o_written":
+            elif kind == "o_stage":  # O written into the warpgroup's sP buffer; its stores read it at once
+                buf, it = op[1], op[2]
+                for wg in (0, 1):
+                    if any(b == buf for _, b, _ in groups[wg]):
+                        return f"O of tile {it} staged in {buf} while warpgroup {wg}'s PV still reads it"
+                written, read = get_wr(bufs, buf)
+                if read < written:
+                    return f"O of tile {it} staged in {buf} before its round {written - 1} of P was read"
                 succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
-            elif kind == "store_sync":  # EPILOGUE: every thread's O is in sQ
-                if pcs[2] > o_at[1][op[1]]:
-                    succ.append((nxt, landed, empty, flying, groups, hand, bufs, qs))
-            elif kind == "q_free":  # the store has read sQ
-                succ.append((nxt, landed, empty, flying, groups, hand, bufs, (qs[0], qs[1] + 1)))
         done = all(pcs[i] == len(ops[r]) for i, r in enumerate(roles)) and not flying and not any(groups)
         if done and any(w != r for _, (w, r) in bufs):
             return f"a handoff buffer written but never read: {bufs}"
@@ -371,6 +367,8 @@ def check_every_interleaving(kernel, n_blocks, monkeypatch) -> None:
     loads = sorted(op[1:] for op in ops["producer"] if op[0] == "load")
     assert loads == [(t, h) for t in range(sum(tiles)) for h in (0, 1)]
     assert [op for op in ops["producer"] if op[0] == "q"] == [("q", it) for it in range(len(tiles))]
+    for wg in (0, 1):  # each warpgroup frees sQ once a tile
+        assert [op for op in ops[wg] if op[0] == "q_release"] == [("q_release", it) for it in range(len(tiles))]
     stats = {}
     assert check(kernel, ops, stats) is None
     assert stats["states"] > 40 * sum(tiles)  # the search did explore the interleavings
@@ -417,19 +415,37 @@ PERSISTENT = ([1, 1], [2, 1], [1, 2], [3, 2], [2, 3], [1, 1, 1], [3, 3])  # a pe
 def check_persistent_controls(kernel, monkeypatch) -> None:
     """Negative controls of the persistent protocol (tiles of 2 then 3 KV tiles): without the
     follower's release of a's first half (a half it never reads), or without the leader's release
-    of the last b's first half at the end of a tile, the next tile's loads wait forever; with
-    sQ freed (q_empty) without the store warp's sync with every O write, the next Q can land
-    over O before the store read it."""
+    of the last b's first half at the end of a tile, the next tile's loads wait forever; with the
+    leader's release of sQ before the wait for its last QK, the next Q can land under that QK;
+    without the row sums' meeting, the leader stages O in sP[0] while the follower's PV reads P_a
+    there."""
     ops = trace(kernel, [2, 3], monkeypatch)
     follower, leader = ops[1], ops[0]
     at = follower.index(("wait_q", 0))
     assert follower[at + 1] == ("release", 0, 0)  # the follower frees a's first half as its pair starts
-    assert "deadlock" in check(kernel, {**ops, 1: follower[:at + 1] + follower[at + 2:]})
+    # that line taken out of the kernel: every pair's (tiles a are ring uses 0, 2 and 4). One use's
+    # missing arrivals alone would be made up by the next use's early ones
+    without = [op for op in follower if op not in {("release", t, 0) for t in (0, 2, 4)}]
+    assert "deadlock" in check(kernel, {**ops, 1: without})
     end = leader.index(("epilogue", 0))
     assert leader[end - 1] == ("release", 1, 0)  # seesaw_lead_end: the last b's first half
     assert "deadlock" in check(kernel, {**ops, 0: leader[:end - 1] + leader[end:]})
-    sync = leader.index(("store_sync", 0))
-    assert "over O of tile 0" in check(kernel, {**ops, 0: leader[:sync] + leader[sync + 1:]})
+    rel = leader.index(("q_release", 0))
+    assert leader[rel - 1] == ("wait_group", 0) and leader[rel - 2][0] == "qk"  # right after its last QK's wait
+    early = leader[:rel - 1] + [leader[rel], leader[rel - 1]] + leader[rel + 1:]
+    assert "Q of tile 1 loaded while a QK still reads sQ" in check(kernel, {**ops, 0: early})
+    # (the search meets the follower's P_a round still unread, or its PV reading it)
+    assert "O of tile 0 staged in ('p', 0)" in check(kernel, {**ops, 0: leader[:end] + leader[end + 1:]})
+
+
+def make_seesaw(kernel_cls, **options):
+    """``kernel_cls``'s sm90 seesaw kernel object at head dim 512, bf16, ``options`` (K = V among them)."""
+    from dsv4_attention.common.arch import target_arch
+
+    with target_arch("sm90"):
+        k = kernel_cls(cutlass.BFloat16, 512, **options)
+    assert k.seesaw
+    return k
 
 
 def protocol_tests(kernel_cls, **options):
@@ -438,12 +454,7 @@ def protocol_tests(kernel_cls, **options):
     for persistent CTAs' sequences of Q tiles, and the negative controls."""
 
     def make():
-        from dsv4_attention.common.arch import target_arch
-
-        with target_arch("sm90"):
-            k = kernel_cls(cutlass.BFloat16, 512, **options)
-        assert k.seesaw
-        return k
+        return make_seesaw(kernel_cls, **options)
 
     @pytest.mark.parametrize("n_blocks", [*range(1, 8), *PERSISTENT], ids=str)
     def every_interleaving(n_blocks, monkeypatch):

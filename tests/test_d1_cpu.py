@@ -55,3 +55,19 @@ def test_bad_inputs(make, match):
     k = torch.randn(1, 300, 1, 512).bfloat16()
     with pytest.raises(ValueError, match=match):
         stage.forward(*make(q, k))
+
+
+def test_only_persistent_kernels_key_their_cta_count():
+    """The seesaw (hd 384 / 512, K = V) bakes its CTA count into the binary, so its configuration
+    key carries it; the other kernels' keys do not move with it (no recompile per SM count)."""
+    from dsv4_attention.common import jit, persistent
+
+    def keys():
+        return {(arch, d, kv): jit.config_key("d1", stage.KERNELS, arch, torch.bfloat16, d, {"kv_shared": kv})
+                for arch in ("sm90", "sm100") for d in (128, 384, 448, 512) for kv in (True, False)}
+
+    base = keys()
+    with persistent.cta_limit(5):
+        limited = keys()
+    assert {c for c in base if base[c] != limited[c]} == {("sm90", 384, True), ("sm90", 512, True)}
+    assert limited[("sm90", 512, True)][-1] == ("ctas", 5)

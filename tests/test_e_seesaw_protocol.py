@@ -3,9 +3,10 @@ over E's gathered tiles): the three roles, taken from the kernel's own methods, 
 every interleaving, free each ring half only after the wgmma groups that read it and hand SMEM
 over without a race (tests/seesaw_protocol.py says how)."""
 
+import cutlass
 import pytest
 from plain_jit import plain
-from seesaw_protocol import protocol_tests
+from seesaw_protocol import make_seesaw, protocol_tests
 
 from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
 
@@ -49,8 +50,6 @@ class _WaitRecorder:
 
 def producer_waits(kernel, tiles, warp, monkeypatch, load_kv=None) -> list:
     """[(ring use, half), ...] producer warp ``warp`` waits for, in order, over ``tiles``."""
-    import cutlass
-
     k = kernel
     monkeypatch.setattr(cutlass, "range", lambda n, unroll=1: range(n))
     monkeypatch.setattr(k, "issue_q", lambda *a: None, raising=False)
@@ -89,14 +88,9 @@ def skipping_load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c,
 
 
 def make_csa():
-    import cutlass
-
-    from dsv4_attention.common.arch import target_arch
-
-    with target_arch("sm90"):
-        k = FlashAttentionESm90(cutlass.BFloat16, 512, kv_shared=True, pack_group=128, has_left=True,
-                                has_right=True, has_compressed=True, has_topk=True)
-    assert k.seesaw and k.producer_warps == 4
+    k = make_seesaw(FlashAttentionESm90, kv_shared=True, pack_group=128, has_left=True, has_right=True,
+                    has_compressed=True, has_topk=True)
+    assert k.producer_warps == 4
     return k
 
 

@@ -46,7 +46,8 @@ Per consumer warpgroup, per Q tile (rows and split; intra-warpgroup overlap, as 
             [head_dim <= 128: O *= r]
     last:   [O *= r]; O += P V[0]; wait; release.
     end:    [split: row sums through SMEM (ROW_STATS)]; O /= l; LSE; epilogue (O over sQ,
-            one TMA store).
+            one TMA store; the persistent seesaw: through each warpgroup's P buffer, 64 columns a
+            box).
 
 Why the SMEM buffers are free when written (split; two P buffers):
     sP[b] is written in tile n's iteration and last read by PV(n + 2) in both warpgroups.
@@ -66,6 +67,10 @@ Why the seesaw's SMEM is free when written (one buffer each):
     writes the next; the leader reads the follower's before handing over 0 of the next pair,
     after which the follower writes again. The pair without b (odd tile count) keeps every
     handoff (the follower hands over its max unchanged), so the protocol never changes shape.
+    Persistent: in the epilogue sP[w] holds warpgroup w's O, 64 columns at a time, written after
+    the row sums' barrier (both warpgroups past their last PV, the last reads of either buffer);
+    each box is written after the previous one's TMA store read it, and the warpgroup leaves the
+    epilogue only after the last one's read, so the next tile's P finds its buffer free.
 
 K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot K-major, PV
     reads the same bytes MN-major; the slot is released after PV, so the ring needs >= 2 slots
@@ -83,15 +88,20 @@ K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot 
 
 Persistent grid (the seesaw, ``run_tiles``; common/persistent.py): one CTA per SM, each running
     Q tiles c, c + grid, ... with the ring uses, handoff rounds and Q phases counted on across
-    them. The next tile's first KV pair is loaded while this tile's epilogue runs; its Q waits
-    until the epilogue's TMA store has read sQ (q_empty), and every consumer warp syncs with the
-    store warp there (no bar.arrive: racecheck). The A/Bs (docs/results/experiments/
-    ab_persistent_h100.json, ab_persistent_h200.json): the fused HCA layer 4-6 % faster, CSA
-    2-3 %, the dense seesaw and index mode level.
+    them; each consumer warpgroup runs its own tile loop (``consumer_tiles``). sQ is free once
+    both warpgroups' last QK of a tile has completed (``release_q``, every consumer thread arrives
+    on q_empty), so the producer loads the next tile's Q first, under this tile's last PVs and
+    its epilogue, then the next tile's first KV pair as the PVs free the slots. O does not go
+    through sQ: each warpgroup stores its 256 columns through its own 8 KiB P buffer, one 64 x 64
+    TMA box at a time (``store_o_chunks``). The A/Bs (docs/results/experiments/): the grid itself
+    (ab_persistent_h100.json, ab_persistent_h200.json) made the fused HCA layer 4-6 % faster, CSA
+    2-3 %, the dense seesaw and index mode level; Q under the epilogue (ab_q_epilogue_h100.json)
+    the HCA layer 8-17 % faster again.
 
 Pipelines and barriers
     q_bar          TMA -> consumers: Q landed (one phase per tile).
-    q_empty        persistent: the epilogue's store thread -> producer: sQ read, the next Q may land.
+    q_empty        persistent: every consumer thread after its warpgroup's last QK of the tile ->
+                   producer: sQ read, the next Q may land.
     K = V ring     KvChunkRing: full[slot, chunk] (TMA transaction), empty[slot] (one arrive per
                    consumer warp after the PV that read the slot).
     pipeline_k/v   K != V: PipelineTmaAsync, full/empty per slot; one release arrive per
@@ -103,6 +113,8 @@ Pipelines and barriers
                    the leader's max; the follower's max and P_b; the leader's rescaled P_a.
     P_READY(_WGw)  after the P stores and their async-proxy fence, before any PV reads them.
     EPILOGUE       sQ free for O, then O in SMEM for the TMA store (common/sm90_epilogue.py).
+    EPILOGUE_WGw   persistent: warpgroup w's O chunk in sP[w] for its TMA box, and the box before
+                   it read (common/sm90_epilogue.store_o_chunks).
 
 Default tiles (tile_m x tile_n; SMEM = Q + ring + sP, limit 227 KiB)
     head dim   64: 192 x 128   128: 128 x 128   192: 128 x 96   256: 128 x 80   (rows)
@@ -130,6 +142,7 @@ from dsv4_attention.common.persistent import grid_ctas
 from dsv4_attention.common.sm90_barriers import Handoff, Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
 from dsv4_attention.common.sm90_epilogue import store_lse
 from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
+from dsv4_attention.common.sm90_epilogue import store_o_chunks as epilogue_store_o_chunks
 from dsv4_attention.common.sm90_gemm import (
     REGISTERS,
     SMEM_ALIGN,
@@ -159,6 +172,13 @@ def split_columns(head_dim: int) -> tuple[int, int]:
     return width, head_dim - width
 
 
+def uses_seesaw(head_dim: int, kv_shared: bool) -> bool:
+    """The seesaw schedule (and its persistent grid): K = V at a split head dim whose O halves are
+    whole chunks (384, 512)."""
+    width, c1 = split_columns(head_dim)
+    return head_dim >= SPLIT_FROM and bool(kv_shared) and c1 == width
+
+
 @dataclasses.dataclass
 class SeesawOperands:
     """One seesaw warpgroup's operand fragments and partitions (built once per CTA)."""
@@ -169,6 +189,7 @@ class SeesawOperands:
     tOrP_smem: cute.Tensor  # PV A (SS MMA): sP buffer w = warpgroup w's P
     tPsP: cute.Tensor  # this thread's P values in sP (acc layout, buffers)
     tScS: cute.Tensor  # (row, key) of this thread's S values
+    q_empty: cute.Pointer | None  # persistent: arrived on after the warpgroup's last QK (sQ read)
 
 
 @dataclasses.dataclass
@@ -200,7 +221,7 @@ class ConsumerOperands:
 class SharedViews:
     """The CTA's SMEM, set up once (barriers initialised): what every tile's roles use."""
     q_bar: cute.Pointer  # Q landed (phase = the CTA's tile count & 1)
-    q_empty: cute.Pointer  # persistent: the epilogue's O store has read sQ (phase per tile)
+    q_empty: cute.Pointer  # persistent: every consumer warp's last QK has read sQ (phase per tile)
     handoffs: list  # seesaw: the three Handoff barriers
     ring: object  # K = V: the KvChunkRing; else K's PipelineTmaAsync
     pipeline_v: object  # K != V: V's PipelineTmaAsync
@@ -287,8 +308,7 @@ class FlashAttentionD1Sm90:
         # warpgroup 0's PV reads a chunk of half 1) the half-tile load order waits on a PV that waits
         # on a later load: those kernels hung on the H100 at >= 3 KV tiles, so they keep the
         # lock-step split, as K != V does (one K and one V slot is all that fits)
-        width, c1 = split_columns(head_dim) if self.split else (0, 0)
-        self.seesaw = self.split and self.kv_shared and c1 == width
+        self.seesaw = uses_seesaw(head_dim, self.kv_shared)
         if self.split:
             if p_in_smem is False:
                 raise ValueError(f"head_dim {head_dim}: two warpgroups share P, so P must go through SMEM")
@@ -318,6 +338,12 @@ class FlashAttentionD1Sm90:
         self.persistent = self.seesaw
         self.ctas = grid_ctas()
         self.shared_storage = None  # set when __call__ is traced
+
+    @staticmethod
+    def persistent_for(head_dim: int, kv_shared: bool = False, **_options) -> bool:
+        """Whether the kernel of this configuration runs the persistent grid (its CTA count is then
+        part of the configuration key: common/jit.config_key)."""
+        return uses_seesaw(head_dim, kv_shared)
 
     def smem_bytes_fixed(self) -> int:
         q = self.tile_m * self.head_dim * 2
@@ -388,7 +414,10 @@ class FlashAttentionD1Sm90:
             tma_atom_v, tma_v = tma_atom_k, tma_k
         else:
             tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, self.tile_n, d)
-        tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
+        if cutlass.const_expr(self.persistent):  # O leaves through the P buffers, 64 columns a box
+            tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sP_layout, WGMMA_M, CHUNK_COLS)
+        else:  # O over sQ, one box
+            tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
         # the fused stage's compressed entries: a second K = V source, the same chunked boxes (a
         # placeholder copy of K's atom where unused, compiled out)
         tma_atom_c, tma_c, mC_mem = tma_atom_k, tma_k, mO
@@ -410,7 +439,7 @@ class FlashAttentionD1Sm90:
         @cute.struct
         class SharedStorage:
             q_bar: cutlass.Int64
-            q_empty: cutlass.Int64  # persistent: sQ free for the next tile's Q (its O store has read it)
+            q_empty: cutlass.Int64  # persistent: sQ free for the next tile's Q (the last QKs have read it)
             # seesaw: the leader's max, the follower's max and P, the leader's P (Handoff)
             handoffs: cute.struct.MemRange[cutlass.Int64, 3]
             k_bars: cute.struct.MemRange[cutlass.Int64, bars_a]
@@ -571,49 +600,69 @@ class FlashAttentionD1Sm90:
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
-                    if cutlass.const_expr(self.seesaw):
-                        self.consume_seesaw(c, pv_own_mma, smem.ring, smem.handoffs, tile.n_blocks)
-                    else:
-                        self.consume(c, smem.ring, smem.pipeline_v, tile.n_blocks)
+                    self.consume(c, smem.ring, smem.pipeline_v, tile.n_blocks)  # the seesaw is persistent
 
     @cute.jit
     def run_tiles(self, warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles):
         """The persistent seesaw (common/persistent.py): CTA c runs tiles c, c + grid, ... Each role
-        walks the same tiles and keeps three counters across them: ``t0``, the ring uses before the
-        tile (its KV tile visits are ring uses t0 .. t0 + n_blocks - 1); ``r0``, the handoff rounds
-        before it (one per pair: ceil(n_blocks / 2)); ``it``, the tiles before it (Q's phase, and
-        the producer's wait for the epilogue that frees sQ). A tile past its request's rows (varlen:
-        the launch spans the longest request) is skipped by every role alike."""
+        walks the same tiles and keeps counters across them: ``t0``, the ring uses before the tile
+        (its KV tile visits are ring uses t0 .. t0 + n_blocks - 1); ``it``, the tiles before it
+        (Q's phase, and the producer's wait for the last QKs that free sQ); the consumers also
+        ``r0``, the handoff rounds before it (one per pair: ceil(n_blocks / 2)). A tile past its
+        request's rows (varlen: the launch spans the longest request) is skipped by every role
+        alike (``tile_at``)."""
         self.prefetch_descriptors(atoms, warp_idx)
         smem = self.shared_views(layouts, warp_idx)
-        heads = tensors[0].shape[2]
-        t0 = cutlass.Int32(0)
-        r0 = cutlass.Int32(0)
-        it = cutlass.Int32(0)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx < self.producer_warps:
+                heads = tensors[0].shape[2]
+                t0 = cutlass.Int32(0)
+                it = cutlass.Int32(0)
                 for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
-                    m_block, head, batch = self.tile_coords(tile_idx, m_tiles, heads)
-                    req = self.tile_request(head, batch, tensors)
-                    if cutlass.const_expr(not self.varlen) or m_block * self.tile_m < req.n_rows:
+                    m_block, head, req, has_rows = self.tile_at(tile_idx, m_tiles, heads, tensors)
+                    if has_rows:
                         tile = self.tile_views(m_block, head, req, tensors, smem, t0)
                         self.load(smem, tile, atoms, warp_idx, t0, it)
                         t0 = t0 + tile.n_blocks
                         it = it + 1
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
-                m_block, head, batch = self.tile_coords(tile_idx, m_tiles, heads)
-                req = self.tile_request(head, batch, tensors)
-                if cutlass.const_expr(not self.varlen) or m_block * self.tile_m < req.n_rows:
-                    tile = self.tile_views(m_block, head, req, tensors, smem, t0)
-                    c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
-                    self.consume_seesaw(c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it,
-                                        smem.q_empty)
-                    t0 = t0 + tile.n_blocks
-                    r0 = r0 + (tile.n_blocks + 1) // 2
-                    it = it + 1
+            # each warpgroup its own tile loop: what its role keeps across tiles (the addresses of its
+            # P buffer, which its epilogue stores O through) stays out of the other's loop (one loop
+            # around both roles kept both buffers' addresses alive in each: 32 registers, spilled)
+            if warp_idx < 8:
+                self.consumer_tiles(0, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
+            else:
+                self.consumer_tiles(1, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
+
+    @cute.jit
+    def consumer_tiles(self, wg: int, tensors, atoms, mmas, smem: "SharedViews", mSink, scale_log2, m_tiles, n_tiles):
+        """Consumer warpgroup ``wg`` (constant) of the persistent seesaw over the CTA's tiles."""
+        heads = tensors[0].shape[2]
+        t0 = cutlass.Int32(0)
+        r0 = cutlass.Int32(0)
+        it = cutlass.Int32(0)
+        for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
+            m_block, head, req, has_rows = self.tile_at(tile_idx, m_tiles, heads, tensors)
+            if has_rows:
+                tile = self.tile_views(m_block, head, req, tensors, smem, t0)
+                c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
+                self.consume_seesaw(wg, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it, smem.q_empty)
+                t0 = t0 + tile.n_blocks
+                r0 = r0 + (tile.n_blocks + 1) // 2
+                it = it + 1
+
+    @cute.jit
+    def tile_at(self, tile_idx, m_tiles, heads, tensors):
+        """The launch's tile ``tile_idx`` as every role of the persistent loop sees it: (m_block,
+        head, its request, whether it has rows: a tile past its request's rows has no work, varlen)."""
+        m_block, head, batch = self.tile_coords(tile_idx, m_tiles, heads)
+        req = self.tile_request(head, batch, tensors)
+        has_rows = cutlass.Boolean(True)
+        if cutlass.const_expr(self.varlen):  # the launch spans the longest request
+            has_rows = m_block * self.tile_m < req.n_rows
+        return m_block, head, req, has_rows
 
     @cute.jit
     def tile_coords(self, tile_idx, m_tiles, heads):
@@ -648,8 +697,8 @@ class FlashAttentionD1Sm90:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_bar, 1)
-                if cutlass.const_expr(self.persistent):
-                    cute.arch.mbarrier_init(q_empty, 1)
+                if cutlass.const_expr(self.persistent):  # every consumer thread, after its last QK
+                    cute.arch.mbarrier_init(q_empty, self.consumer_threads)
                 if cutlass.const_expr(self.seesaw):
                     for h in handoffs:
                         h.init()
@@ -788,36 +837,34 @@ class FlashAttentionD1Sm90:
         follower's own PV), a's second (the follower's PV over a), b's first (the leader's PV over
         b, last). The follower's QK starts on b's second half (``first_chunk``), so both warpgroups
         start on the first half-load of their tile. Ring uses count from ``t0`` (the persistent
-        CTA's earlier tiles). Q, on a CTA's first tile, goes right after the first half-load, or
-        before it (``q_first``); on a later tile (``it`` > 0) after the first pair, whose slots the
-        previous tile's PVs freed before its epilogue, so those loads overlap that epilogue, which
-        Q waits for (``q_empty``: its O store has read sQ)."""
+        CTA's earlier tiles). Q goes right after the first half-load on a CTA's first tile, and
+        before it where that load may wait longer than Q: on a later tile (``it`` > 0; Q waits
+        for ``q_empty``, the previous tile's last QKs, which come before the PVs that free the
+        slot) and where the load waits for its index list (``q_first``)."""
         n_last = n_blocks - 1
+        q_ahead, q_after = it > 0, it == 0
+        if cutlass.const_expr(self.q_first()):
+            q_ahead, q_after = True, False
         for k in cutlass.range((n_blocks + 1) // 2, unroll=1):
             t_a = 2 * k
             has_b = t_a < n_last
             if k == 0:
-                if it == 0:
-                    if cutlass.const_expr(self.q_first()):
-                        self.issue_q(q_load, warp_idx, it, q_empty)
+                if q_ahead:
+                    self.issue_q(q_load, warp_idx, it, q_empty)
             self.load_kv(ring, t0 + t_a, n_last - t_a, *srcs, half=0)
             if k == 0:
-                if it == 0:
-                    if cutlass.const_expr(not self.q_first()):
-                        self.issue_q(q_load, warp_idx, it, q_empty)
+                if q_after:
+                    self.issue_q(q_load, warp_idx, it, q_empty)
             if has_b:
                 self.load_kv(ring, t0 + t_a + 1, n_last - t_a - 1, *srcs, half=1)
             self.load_kv(ring, t0 + t_a, n_last - t_a, *srcs, half=1)
             if has_b:
                 self.load_kv(ring, t0 + t_a + 1, n_last - t_a - 1, *srcs, half=0)
-            if k == 0:
-                if it > 0:
-                    self.issue_q(q_load, warp_idx, it, q_empty)
 
     @cute.jit
     def issue_q(self, q_load, warp_idx, it, q_empty):
-        """Warp 0: Q's TMA; on a CTA's later tile first the wait for the previous epilogue's store to
-        have read sQ (phase it - 1 of q_empty)."""
+        """Warp 0: Q's TMA; on a CTA's later tile first the wait for the previous tile's last QKs to
+        have read sQ (phase it - 1 of q_empty, every consumer warp's arrival: ``release_q``)."""
         if warp_idx == 0:
             if it > 0:
                 cute.arch.mbarrier_wait(q_empty, (it - 1) % 2)
@@ -942,15 +989,16 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def consume_seesaw(self, c: ConsumerOperands, pv_own_mma: cute.TiledMma, ring: KvChunkRing, handoffs: list,
-                       n_blocks: cutlass.Int32, t0=0, r0=0, it=0, q_empty=None):
-        """Pairs of KV tiles (a, b) = visits (2k, 2k + 1): the leader computes S_a, the follower
-        S_b, each over the whole head dim, and each adds both tiles' P V to its O columns. See
-        ``seesaw_lead`` / ``seesaw_follow`` for one pair; an odd tile count ends with a pair
-        that has no b. ``handoffs``: [leader's max, follower's max and P, leader's P]."""
+    def consume_seesaw(self, wg: int, c: ConsumerOperands, pv_own_mma: cute.TiledMma, ring: KvChunkRing,
+                       handoffs: list, n_blocks: cutlass.Int32, t0, r0, it, q_empty):
+        """Warpgroup ``wg`` (a constant: 0 leads, 1 follows) on one Q tile. Pairs of KV tiles (a, b)
+        = visits (2k, 2k + 1): the leader computes S_a, the follower S_b, each over the whole head
+        dim, and each adds both tiles' P V to its O columns. See ``seesaw_lead`` /
+        ``seesaw_follow`` for one pair; an odd tile count ends with a pair that has no b.
+        ``handoffs``: [leader's max, follower's max and P, leader's P]. ``t0``, ``r0``, ``it``: the
+        CTA's ring uses, handoff rounds and tiles before this one (``run_tiles``)."""
         qk_mma, pv_mma, span, row_stats = c.qk_mma, c.pv_mma, c.span, c.row_stats
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
-        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         sub = tidx % THREADS_PER_WARPGROUP
         thr_qk = qk_mma.get_slice(sub)
         thr_pv = pv_mma.get_slice(sub)
@@ -964,6 +1012,7 @@ class FlashAttentionD1Sm90:
             tOrP_smem=pv_mma.make_fragment_A(wg_pv.partition_A(c.sP)),  # (MMA, 1, keys/16, 2 buffers)
             tPsP=self.p_store_view(c.sP, wg, thr_qk),
             tScS=self.s_coords(wg, thr_qk),
+            q_empty=q_empty,
         )
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)))
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
@@ -978,7 +1027,7 @@ class FlashAttentionD1Sm90:
         cute.arch.mbarrier_wait(c.q_bar, it % 2)
         n_pairs = n_blocks // 2
         base = (t0, r0)
-        if wg == 0:
+        if cutlass.const_expr(wg == 0):
             for k in cutlass.range(n_pairs, unroll=1):
                 self.seesaw_lead(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
                                  span, n_blocks, first_row, base)
@@ -986,6 +1035,7 @@ class FlashAttentionD1Sm90:
                 self.seesaw_lead(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
                                  row_stats, span, n_blocks, first_row, base)
             self.seesaw_lead_end(ring, n_blocks, t0)
+            self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, 0, tidx, ops.tPsP)
         else:
             for k in cutlass.range(n_pairs, unroll=1):
                 self.seesaw_follow(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
@@ -993,9 +1043,9 @@ class FlashAttentionD1Sm90:
             if n_blocks % 2 == 1:
                 self.seesaw_follow(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
                                    row_stats, span, n_blocks, first_row, base)
-
-        # both warpgroups hold O at the same max; the row sums meet in the epilogue
-        self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, wg, tidx, q_empty)
+            self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, 1, tidx, ops.tPsP)
+        # both warpgroups hold O at the same max; the row sums meet in the epilogue, where each
+        # stores its O through its own P buffer by the addresses its P stores use
 
     @cute.jit
     def seesaw_lead_end(self, ring: KvChunkRing, n_blocks, t0):
@@ -1042,6 +1092,8 @@ class FlashAttentionD1Sm90:
         ring.gemm_qk(ta, qk_mma, acc_s, ops.tSrQ, tSrK, first_chunk=ring.r_chunk, chunks=ring.chunks - ring.r_chunk,
                      accumulate=True)
         warpgroup.wait_group(0)
+        if t + 2 >= n_blocks:  # the last pair: this was the leader's last QK, sQ is read
+            self.release_q(ops.q_empty)
         overlap = self.o_col1 < self.o_width
         if cutlass.const_expr(not overlap):  # only this QK read the second half of tile a
             ring.release(ta, 1)
@@ -1102,10 +1154,15 @@ class FlashAttentionD1Sm90:
         # follower passed the handoffs (or the epilogue) that follow the leader's release of it
         ring.release(ra, 0)
         tile_max = None
+        if cutlass.const_expr(not has_b):
+            if n_blocks == 1:  # a one-tile span: the follower computes no S, never reads sQ
+                self.release_q(ops.q_empty)
         if cutlass.const_expr(has_b):
             ring.gemm_qk(rb, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, rb % self.slots],
                          first_chunk=self.o_col1 // CHUNK_COLS)  # the half its producer loads first
             warpgroup.wait_group(0)
+            if t_b + 2 >= n_blocks:  # the follower's last QK (b is the last or next-to-last tile)
+                self.release_q(ops.q_empty)
             self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t_b, first_row, first=False)
             ring.release(rb, 0)  # after the mask: a top-k slot's staged list is read there
             tile_max = softmax.tile_max(acc_s)
@@ -1134,6 +1191,13 @@ class FlashAttentionD1Sm90:
         ring.release(ra, 1)
 
     @cute.jit
+    def release_q(self, q_empty):
+        """persistent: this thread's QKs, all waited for, have read sQ; every consumer thread arrives
+        (no one-lane branch before the next wgmma: ptxas C7519), and the next tile's Q may land."""
+        if cutlass.const_expr(q_empty is not None):
+            cute.arch.mbarrier_arrive(q_empty)
+
+    @cute.jit
     def seesaw_release_b(self, ring: KvChunkRing, t_b):
         """The leader's PV over tile b (its first half, and the overlap of the second) is done."""
         ring.release(t_b, 0)
@@ -1160,10 +1224,11 @@ class FlashAttentionD1Sm90:
 
     @cute.jit
     def epilogue(self, c: ConsumerOperands, acc_o, softmax: OnlineSoftmax, stat_rows, tScS, thr_pv, wg, tidx,
-                 q_empty=None):
+                 tPsP=None):
         """[split, seesaw: the row sums of the two warpgroups added through SMEM]; O /= l (and the
-        sink's seam); O over sQ, one TMA store; LSE (split, seesaw: warpgroup 0's copy, both
-        hold the same rows). ``q_empty`` (persistent): arrived on once the store has read sQ."""
+        sink's seam); O over sQ, one TMA store (persistent: each warpgroup's columns through its P
+        buffer, 64 at a time: the row sums' barrier says both warpgroups' PVs have read them; ``tPsP``
+        the seesaw's P store view); LSE (split, seesaw: warpgroup 0's copy, both hold the same rows)."""
         total = None
         if cutlass.const_expr(self.split):
             total = self.exchange_sums(softmax, stat_rows, c.row_stats, wg)
@@ -1171,8 +1236,11 @@ class FlashAttentionD1Sm90:
         self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
         scale_rows(acc_o, inv_sum)
         first_row = c.m_block * self.tile_m
-        self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx, c.seqlen_q - first_row,
-                     q_empty)
+        if cutlass.const_expr(self.persistent):  # the seesaw: wg is a constant here
+            self.store_o_chunks(acc_o, c, tPsP, wg, tidx, c.seqlen_q - first_row)
+        else:
+            self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx,
+                         c.seqlen_q - first_row)
         if cutlass.const_expr(self.split):
             if wg == 0:
                 store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
@@ -1356,7 +1424,7 @@ class FlashAttentionD1Sm90:
             gemm(pv_mma, acc_o, tOrP, tOrV[None, None, None, v_index], zero_init=False)
 
     @cute.jit
-    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, rows_left, done_bar=None):
+    def store_o(self, acc_o, sQ, thr_pv, tma_atom_o, gO, gO_mem, m_block, wg, tidx, rows_left):
         """O (normalized) -> 16 bits -> SMEM over sQ -> one TMA store (common/sm90_epilogue.py).
         split: warpgroup w writes its columns; where the halves overlap (320, 448) warpgroup 1
         skips the columns warpgroup 0 writes. varlen: a tile with fewer than tile_m rows left in
@@ -1365,18 +1433,17 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(self.varlen):
             if rows_left < self.tile_m:
                 self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx,
-                                 gO_rows=gO_mem[None, None, m_block], rows_left=rows_left, done_bar=done_bar)
+                                 gO_rows=gO_mem[None, None, m_block], rows_left=rows_left)
             else:
-                self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, done_bar=done_bar)
+                self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
         else:
-            self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, done_bar=done_bar)
+            self.store_o_tma(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx)
 
     @cute.jit
-    def store_o_tma(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, gO_rows=None, rows_left=None,
-                    done_bar=None):
+    def store_o_tma(self, acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, wg, tidx, gO_rows=None, rows_left=None):
         barrier_id = int(Sm90FwdBarrier.EPILOGUE)
         is_store_warp = tidx // 32 == 0
-        rows = {"gO_rows": gO_rows, "rows_left": rows_left, "tidx": tidx, "done_bar": done_bar}
+        rows = {"gO_rows": gO_rows, "rows_left": rows_left, "tidx": tidx}
         if cutlass.const_expr(self.split):
             sO_w = cute.local_tile(cute.domain_offset((0, wg * self.o_col1), sQ[None, None, 0]),
                                    (WGMMA_M, self.o_width), (0, 0))
@@ -1390,6 +1457,31 @@ class FlashAttentionD1Sm90:
         else:
             epilogue_store_o(acc_o, sQ, thr_pv, tma_atom_o, gO, m_block, barrier_id, self.consumer_threads,
                              is_store_warp, **rows)
+
+    @cute.jit
+    def store_o_chunks(self, acc_o, c: ConsumerOperands, tPsP, wg: int, tidx, rows_left):
+        """The persistent seesaw: warpgroup ``wg``'s O columns [c_w, c_w + width) through its P
+        buffer sP[wg], one 64-column TMA box at a time (common/sm90_epilogue.store_o_chunks), on its
+        own named barrier; written through ``tPsP``, the view its P stores use (a second view's
+        addresses, kept alive across the tile loop, spilled). varlen: as ``store_o``, a tile with
+        fewer than tile_m rows left in its request goes row by row, rows < rows_left only."""
+        buf = self.own_p_buffer(wg)
+        sO = cute.local_tile(c.sP, (WGMMA_M, self.tile_n, 1), (0, 0, buf))  # (64, 64, 1)
+        tOsO = tPsP[None, None, None, buf]
+        gO_chunks = cute.local_tile(c.gO[None, None, c.m_block], (WGMMA_M, CHUNK_COLS), (0, None))  # (64, 64, d / 64)
+        first = wg * (self.o_col1 // CHUNK_COLS)
+        barrier_id = int(Sm90FwdBarrier.EPILOGUE_WG0) + wg
+        # from the warp's uniform index: derived from tidx, a value kept across the tile loop spilled
+        is_store_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+        args = (acc_o, sO, tOsO, c.tma_atom_o, gO_chunks, first, barrier_id, is_store_warp)
+        if cutlass.const_expr(self.varlen):
+            if rows_left < self.tile_m:
+                epilogue_store_o_chunks(*args, gO_rows=c.gO_mem[None, None, c.m_block], rows_left=rows_left,
+                                        tidx=tidx % THREADS_PER_WARPGROUP)
+            else:
+                epilogue_store_o_chunks(*args)
+        else:
+            epilogue_store_o_chunks(*args)
 
     @cute.jit
     def scheduler_wait(self, wg: cutlass.Int32):
