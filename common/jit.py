@@ -158,15 +158,16 @@ def kernel_maker(kernels: dict):
     return make_kernel
 
 
-def config_key(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, options: dict) -> tuple:
+def config_key(stage_id: str, arch: str, dtype, head_dim: int, options: dict) -> tuple:
     """A kernel configuration's key (in this process's dict and, hashed, in the kernel cache). A
-    persistent kernel's (its class's ``persistent_for(head_dim, **options)``) ends with its CTA
-    count (common/persistent.py), which is baked into the binary; the others do not depend on it."""
+    persistent kernel's (stage D1's seesaw family: ``tiles.uses_seesaw``) ends with its CTA count
+    (common/persistent.py), which is baked into the binary; the others do not depend on it. Plain
+    Python: a call served from the kernel cache imports no DSL (common/kernel_cache.py)."""
     from dsv4_attention.common import persistent
+    from dsv4_attention.common.tiles import uses_seesaw
 
     key = (stage_id, arch, str(dtype), head_dim, tuple(sorted(options.items())))
-    persistent_for = getattr(kernel_class(kernels, arch), "persistent_for", None)
-    if persistent_for is not None and persistent_for(head_dim, **options):
+    if uses_seesaw(arch, head_dim, options.get("kv_shared", False)):
         key += (("ctas", persistent.grid_ctas()),)
     return key
 
@@ -178,7 +179,7 @@ def stage_kernel(stage_id: str, kernels: dict, arch: str, dtype, head_dim: int, 
     from dsv4_attention.common import kernel_cache
 
     options = dict(options or {})
-    key = config_key(stage_id, kernels, arch, dtype, head_dim, options)
+    key = config_key(stage_id, arch, dtype, head_dim, options)
     build = lambda: compile_kernel(kernel_class(kernels, arch)(cutlass_dtype(dtype), head_dim, **options), args, arch)
     return cached(key, lambda: kernel_cache.load_or_compile(key, build))
 

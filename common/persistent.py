@@ -10,9 +10,9 @@ visits 2-6 KV tiles per Q tile: its prologue and epilogue were 28 % of its stall
 
 ``ctas`` is the device's SM count (torch's view of the current device; 132 on H100 SXM and H200,
 and where no GPU is visible: CI compiles for sm_90a on a CPU). It is baked into the compiled
-kernel, so it is part of a persistent kernel's configuration key (its class says which
-configurations are: ``persistent_for``; ``common.jit.config_key``), in this process and in the
-kernel cache: a kernel compiled for one SM count is never served to a device with another.
+kernel, so it is part of a persistent kernel's configuration key (``common.tiles.uses_seesaw``
+says which configurations are; ``common.jit.config_key``), in this process and in the kernel
+cache: a kernel compiled for one SM count is never served to a device with another.
 ``cta_limit(n)`` lowers it, for tests that want many tiles per CTA on small shapes.
 """
 

@@ -24,6 +24,20 @@ SPLIT_TILE = (64, 64)
 SM100_TILE_M = 128
 
 
+def split_columns(head_dim: int) -> tuple[int, int]:
+    """sm90, split head dims: (width, c_1), each warpgroup's O columns and warpgroup 1's first column."""
+    width = -(-head_dim // 2 // 64) * 64
+    return width, head_dim - width
+
+
+def uses_seesaw(arch: str, head_dim: int, kv_shared: bool) -> bool:
+    """Whether stage D1's kernel (and those built on it) runs the seesaw schedule on its persistent
+    grid: sm90, K = V, at a split head dim whose O halves are whole 64-column chunks (384, 512). Its
+    CTA count is then baked into the binary (common/persistent.py, common/jit.config_key)."""
+    width, c1 = split_columns(head_dim)
+    return arch == "sm90" and head_dim >= SPLIT_FROM and bool(kv_shared) and c1 == width
+
+
 def q_tile_rows(arch: str, head_dim: int) -> int:
     """Rows of the Q tile of stage D1's kernel (and those built on it) for ``arch`` and ``head_dim``."""
     if arch == "sm100":

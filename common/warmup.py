@@ -114,7 +114,7 @@ def configurations(calls, arch: str, refused: list | None = None) -> list:
         call_plan.clear()
     found = {}
     for stage_id, kernels, arch_, dtype, head_dim, args, options in _recorded:
-        key = jit.config_key(stage_id, kernels, arch_, dtype, head_dim, options)
+        key = jit.config_key(stage_id, arch_, dtype, head_dim, options)
         # the compile reads a tensor's dtype and rank only: a one-element stand-in travels to the worker
         args = [torch.empty((1,) * a.dim(), dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
         found.setdefault(key, (key, stage_id, kernels, dtype, head_dim, args, options))

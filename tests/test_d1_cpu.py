@@ -59,15 +59,24 @@ def test_bad_inputs(make, match):
 
 def test_only_persistent_kernels_key_their_cta_count():
     """The seesaw (hd 384 / 512, K = V) bakes its CTA count into the binary, so its configuration
-    key carries it; the other kernels' keys do not move with it (no recompile per SM count)."""
+    key carries it; the other kernels' keys do not move with it (no recompile per SM count). The
+    key's rule (plain Python, no DSL import) is the kernel's own: every sm90 configuration's
+    kernel object says it runs persistent exactly where the key carries the count."""
     from dsv4_attention.common import jit, persistent
+    from dsv4_attention.common.arch import target_arch
+
+    configs = [(arch, d, kv) for arch in ("sm90", "sm100") for d in stage.HEAD_DIMS for kv in (True, False)]
 
     def keys():
-        return {(arch, d, kv): jit.config_key("d1", stage.KERNELS, arch, torch.bfloat16, d, {"kv_shared": kv})
-                for arch in ("sm90", "sm100") for d in (128, 384, 448, 512) for kv in (True, False)}
+        return {c: jit.config_key("d1", c[0], torch.bfloat16, c[1], {"kv_shared": c[2]}) for c in configs}
 
     base = keys()
     with persistent.cta_limit(5):
         limited = keys()
-    assert {c for c in base if base[c] != limited[c]} == {("sm90", 384, True), ("sm90", 512, True)}
+    moved = {c for c in configs if base[c] != limited[c]}
+    assert moved == {("sm90", 384, True), ("sm90", 512, True)}
     assert limited[("sm90", 512, True)][-1] == ("ctas", 5)
+    with target_arch("sm90"):
+        runs_persistent = {("sm90", d, kv) for _, d, kv in configs
+                           if stage.make_kernel("sm90", torch.bfloat16, d, kv_shared=kv).persistent}
+    assert runs_persistent == moved

@@ -159,24 +159,13 @@ from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_
 from dsv4_attention.common.sm90_producer import load_q, load_q_k_v
 from dsv4_attention.common.smem_p import make_p_smem_layout, store_p
 from dsv4_attention.common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
-from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE
+from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE, split_columns, uses_seesaw
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
 MAX_SLOTS = 4
 
 
-def split_columns(head_dim: int) -> tuple[int, int]:
-    """(width, c_1): each split warpgroup's O columns and warpgroup 1's first column."""
-    width = -(-head_dim // 2 // 64) * 64
-    return width, head_dim - width
-
-
-def uses_seesaw(head_dim: int, kv_shared: bool) -> bool:
-    """The seesaw schedule (and its persistent grid): K = V at a split head dim whose O halves are
-    whole chunks (384, 512)."""
-    width, c1 = split_columns(head_dim)
-    return head_dim >= SPLIT_FROM and bool(kv_shared) and c1 == width
 
 
 @dataclasses.dataclass
@@ -308,7 +297,7 @@ class FlashAttentionD1Sm90:
         # warpgroup 0's PV reads a chunk of half 1) the half-tile load order waits on a PV that waits
         # on a later load: those kernels hung on the H100 at >= 3 KV tiles, so they keep the
         # lock-step split, as K != V does (one K and one V slot is all that fits)
-        self.seesaw = uses_seesaw(head_dim, self.kv_shared)
+        self.seesaw = uses_seesaw("sm90", head_dim, self.kv_shared)
         if self.split:
             if p_in_smem is False:
                 raise ValueError(f"head_dim {head_dim}: two warpgroups share P, so P must go through SMEM")
@@ -334,16 +323,11 @@ class FlashAttentionD1Sm90:
         self.pingpong = not self.split and head_dim <= 128
         self.rescale_o_before_pv = head_dim > 128
         self.slots = self._ring_slots()
-        # the seesaw runs a persistent grid (common/persistent.py): its CTA count is baked in
+        # the seesaw runs a persistent grid (common/persistent.py): its CTA count is baked in, and
+        # part of the configuration key where tiles.uses_seesaw says so (common/jit.config_key)
         self.persistent = self.seesaw
         self.ctas = grid_ctas()
         self.shared_storage = None  # set when __call__ is traced
-
-    @staticmethod
-    def persistent_for(head_dim: int, kv_shared: bool = False, **_options) -> bool:
-        """Whether the kernel of this configuration runs the persistent grid (its CTA count is then
-        part of the configuration key: common/jit.config_key)."""
-        return uses_seesaw(head_dim, kv_shared)
 
     def smem_bytes_fixed(self) -> int:
         q = self.tile_m * self.head_dim * 2
