@@ -9,6 +9,8 @@ import enum
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 class Sm90FwdBarrier(enum.IntEnum):
@@ -34,6 +36,17 @@ class Sm90FwdBarrier(enum.IntEnum):
     EPILOGUE_WG0 = 10
     EPILOGUE_WG1 = 11
 
+
+
+@dsl_user_op
+def barrier_sync_unaligned(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
+    """``barrier.sync id, n`` without ``.aligned``: the warps may reach it at different barrier
+    instructions. ``bar.sync`` (CuTeDSL's ``cute.arch.barrier``) is ``barrier.sync.aligned``, which
+    PTX leaves undefined when the threads of the CTA reach it from different code, and synccheck
+    reports as "divergent thread(s) in block": the persistent seesaw's two warpgroups meet at the
+    row sums each from its own copy of the epilogue."""
+    llvm.inline_asm(None, [], f"barrier.sync {int(barrier_id)}, {int(number_of_threads)};", "~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 # ---- ping-pong turns between consumer warpgroups that own different rows (stage C on) ----

@@ -139,7 +139,14 @@ from dsv4_attention.common.layouts import check_attention_operands, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.persistent import grid_ctas
-from dsv4_attention.common.sm90_barriers import Handoff, Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from dsv4_attention.common.sm90_barriers import (
+    Handoff,
+    Sm90FwdBarrier,
+    barrier_sync_unaligned,
+    pingpong_pass,
+    pingpong_start,
+    pingpong_wait,
+)
 from dsv4_attention.common.sm90_epilogue import store_lse
 from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
 from dsv4_attention.common.sm90_epilogue import store_o_chunks as epilogue_store_o_chunks
@@ -1378,7 +1385,10 @@ class FlashAttentionD1Sm90:
         if stat_rows[0, 0][1] == self.first_key(wg):
             for i in cutlass.range_constexpr(cute.size(own)):
                 row_stats[stat_rows[i, 0][0], wg, 1] = own[i]
-        cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
+        if cutlass.const_expr(self.persistent):  # each warpgroup here from its own copy of the epilogue
+            barrier_sync_unaligned(int(Sm90FwdBarrier.ROW_STATS), self.consumer_threads)
+        else:
+            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
         for i in cutlass.range_constexpr(cute.size(own)):
             own[i] = own[i] + row_stats[stat_rows[i, 0][0], 1 - wg, 1]
         return own
