@@ -150,7 +150,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
-                             kv_start=0, index_mode=False, positions=None, cu_seqlens_compressed=None):
+                             kv_start=0, index_mode=False, positions=None, cu_seqlens_compressed=None,
+                             check_indices=True):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -165,16 +166,19 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     entries are packed too (``compressed_kv`` [total_entries, kv_heads, head_dim], request b's
     entries the rows ``cu_seqlens_compressed[b] ..``; None: floor(keys_b / ratio) entries each),
     ``topk_indices`` [total_q, k] indexes the token's request's entries and ``positions`` is
-    [total_q], non-decreasing within each request. An option
+    [total_q], non-decreasing within each request. ``check_indices`` False: the top-k values are
+    not read on the host (no device sync; the kernel masks an index outside [0, visible entries)
+    like -1), so such a call is planned like one without lists. An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     plan = plan_key = None
     # a call whose checks read tensor values (lengths, lists, positions) is validated every time
-    if not varlen and seqused_k is None and topk_indices is None and positions is None:
-        plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode)
-        plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan,
-                                          (learnable_sink, compressed_kv))
+    plan_tensors = (learnable_sink, compressed_kv, topk_indices)
+    if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None:
+        plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode,
+                               check_indices)
+        plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
         if done is not None:
             return done
     from dsv4_attention.common.pack_heads import pack_group
@@ -238,7 +242,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                 check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
             if topk_indices is not None:
                 check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch,
-                           entry_limits=entry_limits[0])
+                           entry_limits=entry_limits[0], check_values=check_indices)
                 if not compressed_kv.is_contiguous():  # rows are gathered by (batch, entry) address arithmetic
                     raise ValueError("with topk_indices, compressed_kv must be contiguous")
             if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
@@ -253,7 +257,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     if not varlen:
         return attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
                                  options=options, options_for=prepare, plan=plan, plan_key=plan_key,
-                                 plan_tensors=(learnable_sink, compressed_kv),
+                                 plan_tensors=plan_tensors,
                                  extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
                                                               compressed_kv=entries[0], compress_ratio=entries[1],
                                                               topk_indices=entries[2], kv_start=kv_start,

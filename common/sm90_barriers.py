@@ -37,7 +37,6 @@ class Sm90FwdBarrier(enum.IntEnum):
     EPILOGUE_WG1 = 11
 
 
-
 @dsl_user_op
 def barrier_sync_unaligned(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
     """``barrier.sync id, n`` without ``.aligned``: the warps may reach it at different barrier

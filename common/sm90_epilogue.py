@@ -75,20 +75,14 @@ def store_o(
         copy_rows(sO[None, None, 0], gO_rows, rows_left, tidx, num_threads)
     elif is_store_warp:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-        tma_store(tma_atom_o, sO, gO, m_block)
+        # bulk groups are per thread: one lane issues, commits and waits for the store's SMEM reads
+        tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
+        with cute.arch.elect_one():
+            cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
     else:
         cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads)
-
-
-@cute.jit
-def tma_store(tma_atom_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor, m_block: cutlass.Int32):
-    """The store warp: sO -> tile m_block of gO, one TMA. Bulk groups are per thread: one lane
-    issues, commits and waits for the store's SMEM reads."""
-    tOsO_tma, tOgO = tile_tma_partition(tma_atom_o, sO, gO)
-    with cute.arch.elect_one():
-        cute.copy(tma_atom_o, tOsO_tma[None, 0], tOgO[None, m_block])
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit
@@ -140,9 +134,9 @@ def store_o_chunks(
     first warp, one lane of which issues each chunk's TMA store.
 
     O is converted to 16 bits first; then per chunk: [the previous chunk's store has read sO,
-    sync]; write, fence for the async proxy; sync; one TMA box (or, for a tile that straddles its request's end, every
-    thread copies rows < ``rows_left`` of the chunk to ``gO_rows``, the tile's (64, head_dim)
-    memory). At the end the last store's reads are waited for and the warpgroup synced: the
+    sync]; write, fence for the async proxy; sync; one TMA box (or, for a tile that straddles its
+    request's end, every thread copies rows < ``rows_left`` of the chunk to ``gO_rows``, the
+    tile's (64, head_dim) memory). At the end the last store's reads are waited for and the warpgroup synced: the
     buffer holds the next tile's P after this."""
     rows, cols = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
     frag = cute.make_layout(tOsO.shape)

@@ -220,10 +220,11 @@ def check_kv_start(kv_start, seqlen_k: int) -> None:
 
 
 def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str,
-               entry_limits: torch.Tensor | None = None) -> None:
+               entry_limits: torch.Tensor | None = None, check_values: bool = True) -> None:
     """Top-k compressed entries: [batch, seqlen_q, k] int32 on q's device, the last dim contiguous,
     every value -1 or an entry index in [0, n_compressed) (reads the values: one device sync, skipped
-    inside a CUDA graph capture, where the kernel's own bound check hides what lies outside). The
+    inside a CUDA graph capture and where ``check_values`` is False: the kernel's own bound check
+    then treats what lies outside as -1). The
     kernels gather one token's list per Q tile, so the query heads of a KV head must fill whole
     tiles (``group`` a multiple of the kernel's ``tile_m`` rows). ``entry_limits`` (a variable-length
     batch, [seqlen_q] int32): token t's indices lie in [0, entry_limits[t]) instead, its request's
@@ -242,7 +243,8 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
     if group % tile_m:
         raise ValueError(f"topk_indices: each Q tile gathers one token's list, so the query heads per KV head "
                          f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile")
-    if topk_indices.numel() == 0 or (topk_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not check_values or topk_indices.numel() == 0 or \
+            (topk_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     if entry_limits is not None:
         idx = topk_indices[0]

@@ -54,7 +54,7 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
               softmax_scale: float | None = None, causal: bool = False, window_size=(None, None), seqused_k=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, learnable_sink=None, pack_gqa: bool | None = None, positions=None,
-              kv_start: int = 0, cu_seqlens_compressed=None, out=None, lse_out=None):
+              kv_start: int = 0, cu_seqlens_compressed=None, out=None, lse_out=None, check_indices: bool = True):
     """The library's attention (``from dsv4_attention import attention``): softmax(q k^T scale) v
     with FlashAttention-4's conventions, computed by the newest stage (:data:`FINAL`).
 
@@ -75,7 +75,9 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     cu_seqlens, compressed_kv is packed like kv ([total_entries, kv_heads, head_dim]; request b's
     entries start at ``cu_seqlens_compressed[b]``, by default floor(keys / ratio) per request),
     topk_indices is [total_q, k] (indices into the token's request's entries) and positions
-    [total_q]. Returns (o like q,
+    [total_q]. ``check_indices=False`` skips the host's read of topk_indices (one device
+    synchronisation per call; the kernel then treats a value outside the visible entries as -1).
+    Returns (o like q,
     lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row with no visible key has
     O = 0 and LSE = -inf).
     """
@@ -99,7 +101,7 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, seqused_k=seqused_k,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         learnable_sink=learnable_sink, pack_gqa=pack_gqa, positions=positions, kv_start=kv_start,
-        cu_seqlens_compressed=cu_seqlens_compressed, out=out, lse_out=lse_out))
+        cu_seqlens_compressed=cu_seqlens_compressed, out=out, lse_out=lse_out, check_indices=check_indices))
 
 
 def get(stage_id: str) -> Stage:

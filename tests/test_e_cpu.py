@@ -90,6 +90,20 @@ def test_topk_checks(bad, match):
         check_topk(bad, q, 8, 128, 64, "sm90")
 
 
+def test_unchecked_topk_reads_no_value_but_still_checks_the_layout():
+    """check_values=False (``check_indices=False``): the values are not read (no device sync), so
+    out-of-range lists pass, while what the kernel's addressing needs is still refused."""
+    q = kv_like(2, 5, 128, 512)
+    for values in (8, -2, 2**31 - 1):
+        check_topk(torch.full((2, 5, 4), values, dtype=torch.int32), q, 8, 128, 64, "sm90", check_values=False)
+    for bad, match in ((torch.zeros(2, 5, 4, dtype=torch.int64), "int32"), (torch.zeros(2, 6, 4, dtype=torch.int32),
+                       "seqlen_q"), (torch.zeros(2, 5, 8, dtype=torch.int32)[..., ::2], "contiguous")):
+        with pytest.raises(ValueError, match=match):
+            check_topk(bad, q, 8, 128, 64, "sm90", check_values=False)
+    with pytest.raises(ValueError, match="values"):  # the default reads them
+        check_topk(torch.full((2, 5, 4), 8, dtype=torch.int32), q, 8, 128, 64, "sm90")
+
+
 def test_topk_needs_whole_tiles_of_one_token():
     q = kv_like(2, 5, 32, 512)
     with pytest.raises(ValueError, match="multiple"):

@@ -253,6 +253,60 @@ def test_persistent_ctas_run_many_tiles(arch, branch, sq, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["index", "csa"])
+def test_unchecked_lists_sync_nothing_and_hide_what_lies_outside(arch, mode, monkeypatch):
+    """``check_indices=False`` (an engine's own lists): values outside [-1, entries) (past the
+    entries, below -1) give bitwise the output of the same lists with -1 there (the kernel's own
+    bound check); the call synchronises nothing (torch's sync debug mode, which refuses the checked
+    call: the control); a repeated signature replays its plan (the list check is not reached)."""
+    from dsv4_attention.common import validation
+
+    sq, heads = 90, 128
+    q, kv, _, g = attention_inputs(1, sq, sq, heads, 1, 512, torch.bfloat16, kv_shared=True)
+    s = sink(heads, g)
+    if mode == "index":
+        n = 300
+        rows = random_bshd(1, n, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
+        idx = topk_lists(1, sq, 70, n, g)[0]
+
+        def call(lists, check, o):
+            return stage.index_attention(q[0], rows, lists[:, None], attn_sink=s, out=o[0], check_indices=check)
+    else:
+        n = sq // 4 + 3
+        ckv = entries(1, n, 512, g)
+        idx = topk_lists(1, sq, 24, n, g)
+
+        def call(lists, check, o):
+            return stage.forward(q, kv, compressed_kv=ckv, compress_ratio=4, topk_indices=lists, causal=True,
+                                 window_size=(127, 0), learnable_sink=s, out=o, check_indices=check)
+    bad = idx.clone()
+    where = (torch.rand(idx.shape, generator=g) < 0.25).cuda()
+    far = torch.randint(n, 2**31 - 1, idx.shape, generator=g, dtype=torch.int64).int().cuda()
+    bad[where] = torch.where(far[where] % 3 == 0, -5 - far[where] % 1000, far[where])
+    clean = torch.where((bad >= 0) & (bad < n), bad, -1)
+    assert bool((bad != clean).any())
+    o_ref = torch.full_like(q, float("nan"))
+    lse_ref = call(clean, True, o_ref)[1].clone()
+    with pytest.raises(ValueError, match="values"):
+        call(bad, True, torch.empty_like(q))
+    o = torch.full_like(q, float("nan"))
+    lse = call(bad, False, o)[1]  # the full path: records the call's plan
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    o2 = torch.full_like(q, float("nan"))
+    bad2 = bad.clone()  # another tensor of the same signature
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the control: a checked call reads the lists
+            call(clean, True, torch.empty_like(q))
+        monkeypatch.setattr(validation, "check_topk", lambda *a, **kw: pytest.fail("the plan re-checked the lists"))
+        lse2 = call(bad2, False, o2)[1]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(o2, o_ref) and torch.equal(lse2, lse_ref)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_topk_hides_listed_entries_not_yet_visible(arch, record_errors):
     """Every list names only entries past the token's count, valued 100: nothing of them may leak."""
     sq, n_c = 100, 64

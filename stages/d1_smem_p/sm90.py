@@ -88,8 +88,8 @@ K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot 
 
 Persistent grid (the seesaw, ``run_tiles``; common/persistent.py): one CTA per SM, each running
     Q tiles c, c + grid, ... with the ring uses, handoff rounds and Q phases counted on across
-    them; each consumer warpgroup runs its own tile loop (``consumer_tiles``). sQ is free once
-    both warpgroups' last QK of a tile has completed (``release_q``, every consumer thread arrives
+    them; each role runs its own tile loop (``role_tiles``: the producer, warpgroup 0, warpgroup
+    1). sQ is free once both warpgroups' last QK of a tile has completed (``release_q``, every consumer thread arrives
     on q_empty), so the producer loads the next tile's Q first, under this tile's last PVs and
     its epilogue, then the next tile's first KV pair as the PVs free the slots. O does not go
     through sQ: each warpgroup stores its 256 columns through its own 8 KiB P buffer, one 64 x 64
@@ -171,6 +171,7 @@ from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE, spli
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
 MAX_SLOTS = 4
+PRODUCER = -1  # role_tiles: the load warps' role (the consumer warpgroups are 0 and 1)
 
 
 
@@ -607,29 +608,23 @@ class FlashAttentionD1Sm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx < self.producer_warps:
-                heads = tensors[0].shape[2]
-                t0 = cutlass.Int32(0)
-                it = cutlass.Int32(0)
-                for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
-                    m_block, head, req, has_rows = self.tile_at(tile_idx, m_tiles, heads, tensors)
-                    if has_rows:
-                        tile = self.tile_views(m_block, head, req, tensors, smem, t0)
-                        self.load(smem, tile, atoms, warp_idx, t0, it)
-                        t0 = t0 + tile.n_blocks
-                        it = it + 1
+                self.role_tiles(PRODUCER, warp_idx, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             # each warpgroup its own tile loop: what its role keeps across tiles (the addresses of its
             # P buffer, which its epilogue stores O through) stays out of the other's loop (one loop
             # around both roles kept both buffers' addresses alive in each: 32 registers, spilled)
             if warp_idx < 8:
-                self.consumer_tiles(0, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
+                self.role_tiles(0, warp_idx, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
             else:
-                self.consumer_tiles(1, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
+                self.role_tiles(1, warp_idx, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
 
     @cute.jit
-    def consumer_tiles(self, wg: int, tensors, atoms, mmas, smem: "SharedViews", mSink, scale_log2, m_tiles, n_tiles):
-        """Consumer warpgroup ``wg`` (constant) of the persistent seesaw over the CTA's tiles."""
+    def role_tiles(self, role: int, warp_idx, tensors, atoms, mmas, smem: "SharedViews", mSink, scale_log2, m_tiles,
+                   n_tiles):
+        """One role of the persistent seesaw over the CTA's tiles: ``role`` (constant) is PRODUCER
+        (the load warps) or consumer warpgroup 0 / 1. The counters: ``t0`` the ring uses before the
+        tile, ``it`` the tiles before it, ``r0`` (consumers) the handoff rounds before it."""
         heads = tensors[0].shape[2]
         t0 = cutlass.Int32(0)
         r0 = cutlass.Int32(0)
@@ -638,10 +633,14 @@ class FlashAttentionD1Sm90:
             m_block, head, req, has_rows = self.tile_at(tile_idx, m_tiles, heads, tensors)
             if has_rows:
                 tile = self.tile_views(m_block, head, req, tensors, smem, t0)
-                c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
-                self.consume_seesaw(wg, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it, smem.q_empty)
+                if cutlass.const_expr(role == PRODUCER):
+                    self.load(smem, tile, atoms, warp_idx, t0, it)
+                else:
+                    c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
+                    self.consume_seesaw(role, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it,
+                                        smem.q_empty)
+                    r0 = r0 + (tile.n_blocks + 1) // 2
                 t0 = t0 + tile.n_blocks
-                r0 = r0 + (tile.n_blocks + 1) // 2
                 it = it + 1
 
     @cute.jit
@@ -1385,10 +1384,8 @@ class FlashAttentionD1Sm90:
         if stat_rows[0, 0][1] == self.first_key(wg):
             for i in cutlass.range_constexpr(cute.size(own)):
                 row_stats[stat_rows[i, 0][0], wg, 1] = own[i]
-        if cutlass.const_expr(self.persistent):  # each warpgroup here from its own copy of the epilogue
-            barrier_sync_unaligned(int(Sm90FwdBarrier.ROW_STATS), self.consumer_threads)
-        else:
-            cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.ROW_STATS), number_of_threads=self.consumer_threads)
+        # unaligned: the persistent seesaw's warpgroups reach it each from its own copy of the epilogue
+        barrier_sync_unaligned(int(Sm90FwdBarrier.ROW_STATS), self.consumer_threads)
         for i in cutlass.range_constexpr(cute.size(own)):
             own[i] = own[i] + row_stats[stat_rows[i, 0][0], 1 - wg, 1]
         return own

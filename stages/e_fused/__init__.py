@@ -60,7 +60,8 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
             kv_start: int = 0, positions: torch.Tensor | None = None,
-            cu_seqlens_compressed: torch.Tensor | None = None, out=None, lse_out=None, p_in_smem: bool | None = None):
+            cu_seqlens_compressed: torch.Tensor | None = None, out=None, lse_out=None, p_in_smem: bool | None = None,
+            check_indices: bool = True):
     """Stage D5's attention over the window's keys plus the compressed entries.
 
     ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
@@ -80,8 +81,12 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     packed too, [total_entries, kv_heads, d], request b's entries the rows
     ``cu_seqlens_compressed[b] .. cu_seqlens_compressed[b + 1]`` (None: floor(keys_b / ratio) each,
     in order), ``topk_indices`` [total_q, k] indexes the token's own request's entries, and
-    ``positions`` [total_q] is non-decreasing within each request. Returns (o, lse), lse over both
-    key sets, without the sink."""
+    ``positions`` [total_q] is non-decreasing within each request. ``check_indices`` (default True)
+    reads the lists on the host to refuse a value outside [-1, entries) with a ValueError: one
+    device synchronisation per call. False (an engine that builds its own lists): no read, no
+    synchronisation, and the call is planned like one without lists (common/call_plan.py); the
+    kernel treats any value outside [0, the token's visible entries) as -1. Returns (o, lse), lse
+    over both key sets, without the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -92,11 +97,12 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
                                               max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink,
                                               compressed_kv=compressed_kv, compress_ratio=compress_ratio,
                                               topk_indices=topk_indices, kv_start=kv_start, positions=positions,
-                                              cu_seqlens_compressed=cu_seqlens_compressed)
+                                              cu_seqlens_compressed=cu_seqlens_compressed,
+                                              check_indices=check_indices)
 
 
 def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax_scale: float | None = None,
-                    out=None):
+                    out=None, check_indices: bool = True):
     """Index mode: FlashMLA's ``flash_mla_sparse_fwd`` semantics on stage E's kernel. Query token t
     attends to the rows ``indices[t, 0, :topk_length[t]]`` of ``kv`` (-1 = none), its only keys.
 
@@ -106,7 +112,9 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     valid index has O = 0 and LSE = -inf, where FlashMLA returns +inf). The query heads must fill
     whole Q tiles (64 or 128 at head dim 512 on sm90). Differences from FlashMLA: its d_qk = 576 /
     d_v = 512 split is not served (K = V rows of one head_dim here), and an index is refused unless
-    -1 or in [0, rows)."""
+    -1 or in [0, rows), as is a topk_length outside [0, k): reading them costs a device
+    synchronisation per call. ``check_indices=False`` reads neither (FlashMLA's call checks nothing):
+    the kernel then takes an index outside [0, rows) as -1, and a length past k as k."""
     for name, t, dim in (("q", q, 3), ("kv", kv, 3), ("indices", indices, 3)):
         if not isinstance(t, torch.Tensor) or t.dim() != dim:
             raise ValueError(f"{name} must be a rank-{dim} torch.Tensor; got "
@@ -122,7 +130,7 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
                 tuple(topk_length.shape) != (q.shape[0],) or topk_length.device != q.device:
             raise ValueError(f"topk_length must be a [tokens] = ({q.shape[0]},) int32 tensor on {q.device}")
         k = idx.shape[1]
-        if q.shape[0] and not (topk_length.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if check_indices and q.shape[0] and not (topk_length.is_cuda and torch.cuda.is_current_stream_capturing()):
             lo, hi = value_range(topk_length)
             if lo < 0 or hi > k:
                 raise ValueError(f"topk_length values must lie in [0, k = {k}]; got min {lo}, max {hi}")
@@ -135,7 +143,8 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     o, lse = interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q[None], kv4, kv4, softmax_scale,
                                                 None if out is None else out[None], None,
                                                 tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=kv4,
-                                                compress_ratio=1, topk_indices=idx, index_mode=True)
+                                                compress_ratio=1, topk_indices=idx, index_mode=True,
+                                                check_indices=check_indices)
     return o[0], lse[0].transpose(0, 1)
 
 
