@@ -34,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 
 from dsv4_attention.common.kv_span import KvSpan, token_position
+from dsv4_attention.common.softmax import acc_rows_view
 
 
 def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool,
@@ -200,16 +201,33 @@ def topk_visible(i: int, p: int, idx: int, seqlen_q: int, seqlen_k: int, ratio: 
 
 
 @cute.jit
-def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, tile_list: cute.Tensor, first_pos, count, k):
-    """Scores of list positions a row may not see -> -inf, in place (SM90 fragment: value i holds
-    list position p = first_pos + tScS[i][1] of the tile's one token; ``tile_list[c]`` the entry at
-    position first_pos + c, read only where p < k; ``count`` the token's visible entry count)."""
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        p = first_pos + tScS[i][1]
-        j = cutlass.Int32(-1)
-        if p < k:
-            j = tile_list[tScS[i][1]]
-        acc[i] = -cutlass.Float32.inf if (j < 0) | (j >= count) else acc[i]
+def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, tile_list: cute.Tensor, first_pos, count, k,
+                   tile_n: cutlass.Constexpr[int]):
+    """Scores of list positions the tile's token may not see -> -inf, in place (SM90 fragment, seen
+    as (rows, columns) of the thread by ``acc_rows_view``: column c holds list position first_pos +
+    its tScS column, the same for every row, as a top-k tile is one token's; ``tile_list[col]`` the
+    entry at that position, read only where the position is < k; ``count`` the token's visible
+    entry count). Per column, not per score: one SMEM read (two adjacent columns in one 64-bit
+    load) and its compares, shared by the thread's rows; the bound p < k only on a tile that
+    reaches past the list's end (its last). (``Uint32(j) < Uint32(count)`` in one compare ran
+    unsigned in the host replay but was emitted signed in the kernel: -1 entries kept.)"""
+    acc_v = acc_rows_view(acc)
+    cols = acc_rows_view(tScS)
+    if first_pos + tile_n <= k:
+        for c in cutlass.range_constexpr(cute.size(acc_v, mode=[1])):
+            j = tile_list[cols[0, c][1]]
+            keep = (j >= 0) & (j < count)
+            for r in cutlass.range_constexpr(cute.size(acc_v, mode=[0])):
+                acc_v[r, c] = acc_v[r, c] if keep else -cutlass.Float32.inf
+    else:
+        for c in cutlass.range_constexpr(cute.size(acc_v, mode=[1])):
+            col = cols[0, c][1]
+            j = cutlass.Int32(-1)
+            if first_pos + col < k:
+                j = tile_list[col]
+            keep = (j >= 0) & (j < count)
+            for r in cutlass.range_constexpr(cute.size(acc_v, mode=[0])):
+                acc_v[r, c] = acc_v[r, c] if keep else -cutlass.Float32.inf
 
 
 class TopkSpan(FusedSpan):
@@ -257,14 +275,14 @@ class TopkSpan(FusedSpan):
     @cute.jit
     def mask(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
-            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k)
+            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k, self.tile_n)
         else:
             KvSpan.mask(self, acc, tScS, n, first_row)
 
     @cute.jit
     def mask_if_needed(self, acc: cute.Tensor, tScS: cute.Tensor, n, first_row):
         if n < self.n_cmp:
-            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k)
+            mask_topk_tile(acc, tScS, self.tile_list(n), n * self.tile_n, self.count, self.k, self.tile_n)
         else:
             KvSpan.mask_if_needed(self, acc, tScS, n, first_row)
 

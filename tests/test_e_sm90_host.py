@@ -310,8 +310,26 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
             span.list_slot = lambda n: 0
             return span
 
+    @cute.jit
+    def mask_by_count_only(acc, tScS, tile_list, first_pos, count, k):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            j = tile_list[tScS[i][1]]
+            acc[i] = acc[i] if (first_pos + tScS[i][1] < k) & (j < count) else -cutlass.Float32.inf
+
+    class KeepsMinusOne(FlashAttentionESm90):
+        """Wrong on purpose: the list mask compares an entry with the count only, so -1 padding is
+        kept (what ``Uint32(j) < Uint32(count)`` compiled to in the kernel, where count is a shape
+        value and the DSL kept the compare signed)."""
+
+        def kv_span(self, *args):
+            span = super().kv_span(*args)
+            wrong = lambda acc, tScS, n, first_row: mask_by_count_only(  # noqa: E731
+                acc, tScS, span.tile_list(n), n * span.tile_n, span.count, span.k)
+            span.mask = span.mask_if_needed = wrong
+            return span
+
     head_dim, options = TOPK_KERNELS[name]
-    cls = {"no_count": NoCount, "one_slot": OneSlot}.get(wrong, FlashAttentionESm90)
+    cls = {"no_count": NoCount, "one_slot": OneSlot, "keeps_minus_one": KeepsMinusOne}.get(wrong, FlashAttentionESm90)
     kernel = cls(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True, has_topk=True,
                  has_left=not index_mode, has_right=not index_mode, index_mode=index_mode, **options)
 
@@ -432,6 +450,11 @@ def test_topk_kept_pairs_and_gathered_rows(name):
 
 def test_topk_checker_rejects_a_list_mask_without_the_count():
     assert topk_failures("split-g128", "no_count") != []
+
+
+@pytest.mark.parametrize("index_mode", [False, True])
+def test_topk_checker_rejects_a_list_mask_that_keeps_minus_one(index_mode):
+    assert topk_failures("split-g128", "keeps_minus_one", index_mode=index_mode) != []
 
 
 def test_topk_checker_rejects_lists_staged_in_one_slot():
