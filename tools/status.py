@@ -211,15 +211,16 @@ def _report_section(name: str, rep: dict) -> str:
         out += ["", "| stage | case | ours ms | ours TFLOP/s | " + " | ".join(f"{p} TFLOP/s" for p in peers)
                 + " | time ratio (ours / peer) | GB/s ours / peer |", "| --- " * (6 + len(peers)) + "|"]
         for r in rows:
-            ratio = ", ".join(f"{v:.2f}x {k}" for k, v in r.get("time_ratio_vs", {}).items())
+            parts = [", ".join(f"{v:.2f}x {k}" for k, v in r.get("time_ratio_vs", {}).items())]
             if r.get("eager_ms"):  # decode rows: replayed from CUDA graphs; the eager call beside
-                ratio += f"; eager call {r['eager_ms']} ms" + (
-                    f" ({r['eager_unchecked_ms']} ms with check_indices=False)" if r.get("eager_unchecked_ms") else "")
+                parts.append(f"eager call {r['eager_ms']} ms" + (
+                    f" ({r['eager_unchecked_ms']} ms with check_indices=False)" if r.get("eager_unchecked_ms") else ""))
             if r.get("unchecked_ms"):  # index mode without the host's read of the lists
-                ratio += (f"; check_indices=False: {r['unchecked_ms']} ms"
-                          + "".join(f", {v:.2f}x {k}" for k, v in r.get("unchecked_ratio_vs", {}).items()))
+                parts.append(f"check_indices=False: {r['unchecked_ms']} ms"
+                             + "".join(f", {v:.2f}x {k}" for k, v in r.get("unchecked_ratio_vs", {}).items()))
             if r.get("graph_ms"):  # kernels alone, replayed from CUDA graphs (varlen rows)
-                ratio += "; graph-replayed ms: " + ", ".join(f"{k} {v}" for k, v in r["graph_ms"].items())
+                parts.append("graph-replayed ms: " + ", ".join(f"{k} {v}" for k, v in r["graph_ms"].items()))
+            ratio = "; ".join(p for p in parts if p)
             gbps = (f"{r['ours_gbps']} / " + ", ".join(f"{v} {k}" for k, v in r.get("peer_gbps", {}).items())
                     if "ours_gbps" in r else "")
             out.append(f"| {r['stage']} | {r['case']} | {r.get('ours_ms', '')} | {r['ours_tflops']} | "
