@@ -214,20 +214,27 @@ def mask_topk_tile(acc: cute.Tensor, tScS: cute.Tensor, tile_list: cute.Tensor, 
     acc_v = acc_rows_view(acc)
     cols = acc_rows_view(tScS)
     if first_pos + tile_n <= k:
-        for c in cutlass.range_constexpr(cute.size(acc_v, mode=[1])):
-            j = tile_list[cols[0, c][1]]
-            keep = (j >= 0) & (j < count)
-            for r in cutlass.range_constexpr(cute.size(acc_v, mode=[0])):
-                acc_v[r, c] = acc_v[r, c] if keep else -cutlass.Float32.inf
+        _mask_list_columns(acc_v, cols, tile_list, first_pos, count, k, False)
     else:
-        for c in cutlass.range_constexpr(cute.size(acc_v, mode=[1])):
-            col = cols[0, c][1]
-            j = cutlass.Int32(-1)
+        _mask_list_columns(acc_v, cols, tile_list, first_pos, count, k, True)
+
+
+@cute.jit
+def _mask_list_columns(acc_v: cute.Tensor, cols: cute.Tensor, tile_list: cute.Tensor, first_pos, count, k,
+                       bounded: cutlass.Constexpr[bool]):
+    """The column loop of ``mask_topk_tile``; ``bounded``: the tile reaches past the list's end,
+    so a position >= k reads no entry (taken as -1)."""
+    for c in cutlass.range_constexpr(cute.size(acc_v, mode=[1])):
+        col = cols[0, c][1]
+        j = cutlass.Int32(-1)
+        if cutlass.const_expr(bounded):
             if first_pos + col < k:
                 j = tile_list[col]
-            keep = (j >= 0) & (j < count)
-            for r in cutlass.range_constexpr(cute.size(acc_v, mode=[0])):
-                acc_v[r, c] = acc_v[r, c] if keep else -cutlass.Float32.inf
+        else:
+            j = tile_list[col]
+        keep = (j >= 0) & (j < count)
+        for r in cutlass.range_constexpr(cute.size(acc_v, mode=[0])):
+            acc_v[r, c] = acc_v[r, c] if keep else -cutlass.Float32.inf
 
 
 class TopkSpan(FusedSpan):

@@ -300,7 +300,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
             check_compressed(compressed_kv, compress_ratio, k4, k4 if kv_shared else v)
             cu_compressed[0] = varlen_compressed_offsets(cu_seqlens_compressed, cu_seqlens_k, compress_ratio,
                                                         compressed_kv.shape[1], q.device)
-            if topk_indices is not None:
+            if topk_indices is not None and check_indices:  # the value check is its only reader
                 entry_limits[0] = varlen_entry_limits(cu_compressed[0], cu_seqlens_q, q.shape[0])
         return {**prepare(arch, q4, k4, compressed_checked=True), "varlen": True}
 

@@ -136,8 +136,8 @@ def store_o_chunks(
     O is converted to 16 bits first; then per chunk: [the previous chunk's store has read sO,
     sync]; write, fence for the async proxy; sync; one TMA box (or, for a tile that straddles its
     request's end, every thread copies rows < ``rows_left`` of the chunk to ``gO_rows``, the
-    tile's (64, head_dim) memory). At the end the last store's reads are waited for and the warpgroup synced: the
-    buffer holds the next tile's P after this."""
+    tile's (64, head_dim) memory). At the end the last store's reads are waited for and the
+    warpgroup synced: the buffer holds the next tile's P after this."""
     rows, cols = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
     frag = cute.make_layout(tOsO.shape)
     per = cute.size(frag)  # values of one chunk (32: 64 x 64 over 128 threads)

@@ -174,8 +174,6 @@ MAX_SLOTS = 4
 PRODUCER = -1  # role_tiles: the load warps' role (the consumer warpgroups are 0 and 1)
 
 
-
-
 @dataclasses.dataclass
 class SeesawOperands:
     """One seesaw warpgroup's operand fragments and partitions (built once per CTA)."""

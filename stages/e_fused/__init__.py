@@ -83,8 +83,9 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     in order), ``topk_indices`` [total_q, k] indexes the token's own request's entries, and
     ``positions`` [total_q] is non-decreasing within each request. ``check_indices`` (default True)
     reads the lists on the host to refuse a value outside [-1, entries) with a ValueError: one
-    device synchronisation per call. False (an engine that builds its own lists): no read, no
-    synchronisation, and the call is planned like one without lists (common/call_plan.py); the
+    device synchronisation per call. False (an engine that builds its own lists): the lists are not
+    read and cost no synchronisation (a ``cu_seqlens_q`` call still reads its offsets to check
+    them), and a fixed-length call is planned like one without lists (common/call_plan.py); the
     kernel treats any value outside [0, the token's visible entries) as -1. Returns (o, lse), lse
     over both key sets, without the sink."""
     if v is None:
