@@ -15,26 +15,25 @@ copy would complete bytes on the wrong CTA's barrier; the kernel must emit this 
 Nothing launches; no GPU is needed.
 """
 
-import os
 import re
 import sys
 import tempfile
 
 
-def probe(dump_dir: str) -> tuple[str, bool]:
-    """(the bulk copy's PTX line, whether its mbarrier operand is a ``mapa`` result); the DSL
-    keeps the PTX in ``dump_dir`` (its environment is read when it is first imported)."""
-    os.environ.update(CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump_dir)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+def probe() -> tuple[str, bool]:
+    """(the bulk copy's PTX line, whether its mbarrier operand is a ``mapa`` result), compiled
+    through the library's own path (``common.jit.compile_kernel``, ``common.arch.target_arch``)."""
     import cutlass
     import cutlass.cute as cute
     import torch
     from cutlass.cute.nvgpu import cpasync
-    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import target_arch
 
     @cute.kernel
     def kernel(g: cute.Tensor):
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         buf = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2048), byte_alignment=128)
         bar = smem.allocate_array(cutlass.Int64, 1)
         tidx = cute.arch.thread_idx()[0]
@@ -55,9 +54,14 @@ def probe(dump_dir: str) -> tuple[str, bool]:
     def launch(g: cute.Tensor):
         kernel(g).launch(grid=(2, 1, 1), block=(128, 1, 1), cluster=(2, 1, 1))
 
-    cute.compile(launch, from_dlpack(torch.zeros(2048, dtype=torch.bfloat16), assumed_align=16),
-                 options="--gpu-arch sm_90a")
-    ptx = "".join(open(os.path.join(dump_dir, f)).read() for f in os.listdir(dump_dir) if f.endswith(".ptx"))
+    with target_arch("sm90"), tempfile.TemporaryDirectory() as d:
+        fn = jit.compile_kernel(launch, [torch.zeros(2048, dtype=torch.bfloat16)], "sm90",
+                                f"--keep-ptx --dump-dir={d}")
+        ptx = fn.artifacts.PTX
+        ptx = ptx if isinstance(ptx, str) else ptx.decode()
+        if not ptx.lstrip().startswith("//") and ptx.endswith(".ptx"):  # some versions return the file's path
+            with open(ptx) as f:
+                ptx = f.read()
     line = next(x.strip() for x in ptx.splitlines() if "cp.async.bulk.shared::cluster.shared::cta" in x)
     mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%r\d+)", ptx))
     mbar = re.search(r"\[(%r\d+)\];$", line).group(1)
@@ -65,8 +69,7 @@ def probe(dump_dir: str) -> tuple[str, bool]:
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory() as d:
-        line, mapped = probe(d)
+    line, mapped = probe()
     print(line)
     print("the barrier operand is mapped to the peer" if mapped else
           "the barrier operand is the issuing CTA's own address: the bytes would complete on the wrong barrier")
