@@ -2,7 +2,7 @@
 stage that serves plain attention) against FlashAttention-4 in one process, for an A/B of two
 versions of the kernel code: non-causal at 1k-16k keys (stage C's benchmark cases), causal at 1k
 and 8k, and a causal variable-length batch. ``--stage c`` times stage C's own kernel instead, on
-the non-causal cases only.
+the non-causal cases only; ``--causal`` keeps stage D4's causal cases only.
 
     AB_LABEL=old python -m tools.ab_rows out_old.json     # one process per version
     AB_LABEL=new python -m tools.ab_rows out_new.json
@@ -21,7 +21,7 @@ import torch
 from tools.bench import attention_row, varlen_row
 
 
-def main(path: str, quick: bool = False, stage_c: bool = False) -> None:
+def main(path: str, quick: bool = False, stage_c: bool = False, causal_only: bool = False) -> None:
     from dsv4_attention.stages import c_online_softmax, d4_causal_window
 
     stage = c_online_softmax if stage_c else d4_causal_window
@@ -35,7 +35,7 @@ def main(path: str, quick: bool = False, stage_c: bool = False) -> None:
                      **({"graph_ms": r["graph_ms"]} if "graph_ms" in r else {})})
 
     seqlens = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 16384)
-    for d in (64, 128, 256):
+    for d in () if causal_only else (64, 128, 256):
         for s in seqlens:
             keep(attention_row(stage, dev, max(1, 32768 // s), 16, s, s, d, peers=("fa4",)), "non-causal")
     if not stage_c:
@@ -53,4 +53,5 @@ def main(path: str, quick: bool = False, stage_c: bool = False) -> None:
 
 if __name__ == "__main__":
     flags = sys.argv[2:]
-    main(sys.argv[1], quick="--quick" in flags, stage_c="--stage" in flags and flags[flags.index("--stage") + 1] == "c")
+    main(sys.argv[1], quick="--quick" in flags, stage_c="--stage" in flags and flags[flags.index("--stage") + 1] == "c",
+         causal_only="--causal" in flags)
