@@ -12,6 +12,11 @@ prints the copy's PTX line and whether its barrier operand is mapped. With CuTeD
 (and passing a barrier already mapped with ``cute.arch.map_dsmem_ptr`` fails to lower), so the
 copy would complete bytes on the wrong CTA's barrier; the kernel must emit this instruction itself
 (inline PTX with both addresses mapped, as common/sm90_gather.py does for its cp.async).
+
+The probe then compiles that form, ``bulk_copy_to_peer`` below (``mapa`` of the destination and of
+the barrier, then the copy), through ptxas for sm_90a, and checks the same two operands of its
+copy: both mapped (2026-11-27, CuTeDSL 4.8.1). That is the instruction the cluster-shared gather
+would use; whether it delivers, and at what latency, only a GPU run can say.
 Nothing launches; no GPU is needed.
 """
 
@@ -19,11 +24,34 @@ import re
 import sys
 import tempfile
 
+import cutlass
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
-def probe() -> tuple[str, bool]:
+
+@dsl_user_op
+def bulk_copy_to_peer(dst: cutlass.Int32, src: cutlass.Int32, bar: cutlass.Int32, peer: cutlass.Int32,
+                      nbytes: int, *, loc=None, ip=None) -> None:
+    """``nbytes`` of this CTA's SMEM at ``src`` to the same-window address ``dst`` in cluster CTA
+    ``peer``, completing the bytes on ``peer``'s mbarrier at ``bar`` (``dst``, ``src``, ``bar``:
+    32-bit shared-window addresses of this CTA's layout; both ``dst`` and ``bar`` are mapped to the
+    peer with ``mapa``, as the PTX ISA requires of the destination and of the barrier)."""
+    ops = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for x in (dst, src, bar, peer)]
+    llvm.inline_asm(
+        None, ops,
+        "{\n.reg .b32 d, b;\n"
+        "mapa.shared::cluster.u32 d, $0, $3;\n"
+        "mapa.shared::cluster.u32 b, $2, $3;\n"
+        f"cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [$1], {int(nbytes)}, [b];\n}}",
+        "r,r,r,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+def probe(inline: bool = False) -> tuple[str, bool]:
     """(the bulk copy's PTX line, whether its mbarrier operand is a ``mapa`` result), compiled
-    through the library's own path (``common.jit.compile_kernel``, ``common.arch.target_arch``)."""
-    import cutlass
+    through the library's own path (``common.jit.compile_kernel``, ``common.arch.target_arch``):
+    the DSL's ``CopyBulkS2SOp``, or with ``inline`` this module's ``bulk_copy_to_peer``."""
     import cutlass.cute as cute
     import torch
     from cutlass.cute.nvgpu import cpasync
@@ -45,8 +73,12 @@ def probe() -> tuple[str, bool]:
         cute.arch.cluster_wait()
         if tidx == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, 4096)
-            atom = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), cutlass.BFloat16, num_bits_per_copy=4096 * 8)
-            cute.copy(atom, buf, buf, mbar_ptr=bar, cta_rank=peer)
+            if cutlass.const_expr(inline):
+                addr = buf.iterator.toint()
+                bulk_copy_to_peer(addr, addr, bar.toint(), peer, 4096)
+            else:
+                atom = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), cutlass.BFloat16, num_bits_per_copy=4096 * 8)
+                cute.copy(atom, buf, buf, mbar_ptr=bar, cta_rank=peer)
         cute.arch.mbarrier_wait(bar, 0)
         g[tidx] = buf[tidx]
 
@@ -63,16 +95,18 @@ def probe() -> tuple[str, bool]:
             with open(ptx) as f:
                 ptx = f.read()
     line = next(x.strip() for x in ptx.splitlines() if "cp.async.bulk.shared::cluster.shared::cta" in x)
-    mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%r\d+)", ptx))
-    mbar = re.search(r"\[(%r\d+)\];$", line).group(1)
-    return line, mbar in mapped
+    mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%?\w+),", ptx))
+    operands = re.search(r"\[(%?\w+)\],\s*\[(%?\w+)\],\s*[^,]+,\s*\[(%?\w+)\];$", line)
+    dst, mbar = operands.group(1), operands.group(3)
+    return line, mbar in mapped and dst in mapped
 
 
 def main() -> int:
-    line, mapped = probe()
-    print(line)
-    print("the barrier operand is mapped to the peer" if mapped else
-          "the barrier operand is the issuing CTA's own address: the bytes would complete on the wrong barrier")
+    for inline, name in ((False, "CuTeDSL's CopyBulkS2SOp"), (True, "bulk_copy_to_peer (inline PTX)")):
+        line, mapped = probe(inline)
+        print(f"{name}: {line}")
+        print("  destination and barrier both mapped to the peer" if mapped else
+              "  the barrier operand is the issuing CTA's own address: the bytes would complete on the wrong barrier")
     return 0
 
 
