@@ -10,15 +10,23 @@ the non-causal cases only; ``--causal`` keeps stage D4's causal cases only.
 Run the versions alternating (old, new, old, new) on one warm GPU; FlashAttention-4's time in each
 process is the yardstick that shows how much the machine moved between them. The old version can
 be a commit, as for ``tools.ab_e`` (its docstring: ``git archive`` into ``ab_old/``, the old
-process run from inside it). ``--quick`` keeps the 1k, 4k and 16k non-causal cases."""
+process run from inside it). ``--quick`` keeps the 1k, 4k and 16k non-causal cases.
+
+Each case starts after the GPU has idled ``PAUSE_S``: a case's time depends on the clocks the work
+before it left (on 2026-11-27 an hd 256 row whose kernel was the same in both versions ran 11 %
+faster in the processes where the case before it had become slower and drew less power), so
+every case starts from the same state whatever ran before it."""
 
 import json
 import os
 import sys
+import time
 
 import torch
 
 from tools.bench import attention_row, varlen_row
+
+PAUSE_S = 1.0  # the GPU idles this long before each case (see the module doc)
 
 
 def main(path: str, quick: bool = False, stage_c: bool = False, causal_only: bool = False) -> None:
@@ -29,12 +37,18 @@ def main(path: str, quick: bool = False, stage_c: bool = False, causal_only: boo
     dev = torch.device("cuda")
     rows = []
 
+    def settle():
+        torch.cuda.synchronize()
+        time.sleep(PAUSE_S)
+
     def keep(r, kind):
+        settle()  # before the next case
         rows.append({"case": r["case"], "kind": kind, "ours_ms": r["ours_ms"], "ours_tflops": r["ours_tflops"],
                      "fa4_ms": r["peer_ms"].get("fa4"), "fa4_tflops": r["peers"].get("fa4"),
                      **({"graph_ms": r["graph_ms"]} if "graph_ms" in r else {})})
 
     seqlens = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 16384)
+    settle()
     for d in () if causal_only else (64, 128, 256):
         for s in seqlens:
             keep(attention_row(stage, dev, max(1, 32768 // s), 16, s, s, d, peers=("fa4",)), "non-causal")
