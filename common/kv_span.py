@@ -27,6 +27,13 @@ visit the tiles last-first; the mask runs only where ``tile_needs_mask`` says so
 Every function here is plain integer arithmetic (``cutlass.min`` / ``cutlass.max`` work on
 Python ints and DSL integers alike), so the host proofs and tests call the same code the
 kernels trace.
+
+In 32 bits without overflow: a bound may be any int below 2**31 (a window wider than every
+sequence is a way to say "unbounded"), so ``p + right`` and ``p - left`` can pass the int32 range.
+The sums are never formed as such: a right bound is first cut to seqlen_k - 1 - p (past it the
+bound hides no key; that difference fits, the calls validate kv_start + seqlen_k < 2**31 and
+positions in [0, 2**30)), and a left bound subtracts at most p + 1 from max(p, -1) (below -1 it
+hides no key). The host proofs include bounds of 2**31 - 1.
 """
 
 from __future__ import annotations
@@ -55,15 +62,28 @@ def tile_tokens(m_block, tile_m: int, group: int, seqlen_q):
     return t_lo, t_hi
 
 
+def right_end(p, right, seqlen_k):
+    """min(seqlen_k, p + right + 1): one past the last key position p sees through a right bound,
+    with no sum that can overflow (the module doc)."""
+    return p + 1 + cutlass.min(right, seqlen_k - 1 - p)
+
+
+def left_start(p, left):
+    """max(p - left, -1): the first key position p sees through a left bound, -1 where it hides no
+    key, with no sum that can overflow (the module doc)."""
+    p = cutlass.max(p, -1)
+    return p - cutlass.min(left, p + 1)
+
+
 def key_span_at(p_lo, p_hi, seqlen_k, tile_n: int, left, right, has_left: bool, has_right: bool):
     """(origin, n_tiles): the first key of the span and the KV tiles that cover it (>= 1), for a Q
     tile whose tokens sit at positions p_lo <= .. <= p_hi in the frame of the keys (key j at j)."""
     lo = 0
     hi = seqlen_k
     if has_left:
-        lo = cutlass.max(p_lo - left, 0)
+        lo = cutlass.max(left_start(p_lo, left), 0)
     if has_right:
-        hi = cutlass.min(p_hi + right + 1, seqlen_k)
+        hi = right_end(p_hi, right, seqlen_k)
     n_tiles = cutlass.max((hi - lo + tile_n - 1) // tile_n, 1)
     return lo, n_tiles
 
@@ -81,9 +101,9 @@ def tile_needs_mask_at(first_key, p_lo, p_hi, seqlen_k, tile_n: int, left, right
     last_key = first_key + tile_n - 1
     needs = last_key >= seqlen_k
     if has_right:
-        needs = needs | (last_key > p_lo + right)
+        needs = needs | (last_key >= right_end(p_lo, right, seqlen_k))
     if has_left:
-        needs = needs | (first_key < p_hi - left)
+        needs = needs | (first_key < left_start(p_hi, left))
     return needs
 
 
@@ -124,21 +144,22 @@ def mask_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Con
 
     Written for the instruction count (this runs on every tile that straddles an edge: 2-3 of a
     causal Q tile's, which at head dim 64 made stage D4 execute 5-15 % more instructions than
-    FlashAttention-4): a row's visible keys are one range [lo, hi) (hi = min(seqlen_k, position +
-    right + 1), lo = position - left), computed once per row relative to the thread's first column,
-    key0 = first_key + tScS[0][1]. Value i's column offset tScS[i][1] - tScS[0][1] is a constant of
-    the partition, so each value costs one or two compares against an immediate and a select,
-    instead of its key, two or three compares and their OR."""
+    FlashAttention-4): a row's visible keys are one range [lo, hi) (``left_start``,
+    ``right_end``), computed once per row relative to the thread's first column, key0 = first_key
+    + tScS[0][1]. Value i's column offset tScS[i][1] - tScS[0][1] is a constant of the partition,
+    so each value costs one or two compares against an immediate and a select, instead of its key,
+    two or three compares and their OR. The row's bounds are clamped to [-1, seqlen_k] before key0
+    comes off, so no difference overflows either."""
     key0 = first_key + tScS[0][1]
     for i in cutlass.range_constexpr(cute.size(acc)):
         col = tScS[i][1] - tScS[0][1]  # a constant (the partition's column offsets)
         token_pos = token_position((first_row + tScS[i][0]) // group, seqlen_q, seqlen_k, positions, kv_start)
-        hi = seqlen_k - key0  # per row (the same operands for a row's values: computed once)
+        hi = seqlen_k  # per row (the same operands for a row's values: computed once)
         if cutlass.const_expr(has_right):
-            hi = cutlass.min(hi, token_pos + right + 1 - key0)
-        hide = col >= hi
+            hi = cutlass.max(right_end(token_pos, right, seqlen_k), -1)
+        hide = col >= hi - key0
         if cutlass.const_expr(has_left):
-            hide = hide | (col < token_pos - left - key0)
+            hide = hide | (col < left_start(token_pos, left) - key0)
         acc[i] = -cutlass.Float32.inf if hide else acc[i]
 
 

@@ -33,6 +33,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Uint32, const_expr
 
 from dsv4_attention.common.compressed import compressed_count
+from dsv4_attention.common.kv_span import left_start, right_end
 
 #: log2 units a row's max may grow before the warp rescales (FlashAttention-4's value)
 RESCALE_THRESHOLD = 8.0
@@ -106,10 +107,11 @@ def visible_keys(span, packed_row):
     lo = None
     if span.has_left or span.has_right:
         token_pos = span.token_position(packed_row // span.group)
-        if span.has_right:
-            hi = cutlass.min(hi, token_pos + span.right + 1)
-        if span.has_left:
-            lo = token_pos - span.left
+        # no sum that can overflow, whatever the bound (common/kv_span.py's module doc)
+        if span.has_right:  # in [-1, seqlen_k]
+            hi = cutlass.max(right_end(token_pos, span.right, hi), -1)
+        if span.has_left:  # in [-1, token_pos]
+            lo = left_start(token_pos, span.left)
     return lo, hi
 
 

@@ -192,11 +192,14 @@ MASK_CASES = {  # name -> cases; m_blocks: the Q tiles replayed
         dict(seqlen_q=300, seqlen_k=1000, window=(None, 0), m_blocks=[0, 2]),
         dict(seqlen_q=1000, seqlen_k=300, window=(None, 0), m_blocks=[0, 5, 7]),  # tokens < 700 empty
         dict(seqlen_q=300, seqlen_k=300, window=(None, 3), m_blocks=[0, 1, 2]),
+        dict(seqlen_q=1000, seqlen_k=300, window=(None, 2**31 - 1), m_blocks=[0, 5]),  # no sum may wrap
     ],
     "d4-hd128-both": [
         dict(seqlen_q=400, seqlen_k=400, window=(5, 3), m_blocks=[0, 1, 3]),
         dict(seqlen_q=200, seqlen_k=1000, window=CAUSAL_127, m_blocks=[0, 1]),
         dict(seqlen_q=50, seqlen_k=700, window=(300, 200), m_blocks=[0]),
+        dict(seqlen_q=300, seqlen_k=1000, window=(2**31 - 1, 2**31 - 1), m_blocks=[0, 2]),
+        dict(seqlen_q=1000, seqlen_k=300, window=(2**31 - 1, 0), m_blocks=[0, 7]),
     ],
     "d3-hd512-g128": [  # no window: the seqused_k tail only
         dict(seqlen_q=2, seqlen_k=1000, seqused=700, m_blocks=[0, 1]),
@@ -373,8 +376,8 @@ def test_spans_cover_the_visible_keys_and_masks_skip_only_whole_tiles():
         tile_n = rnd.choice([64, 128])
         sq = rnd.randint(1, max(1, 600 // group))
         sk = rnd.randint(1, 200)
-        left = rnd.choice([None, 0, 5, 127, 1000])
-        right = rnd.choice([None, 0, 3, 1000])
+        left = rnd.choice([None, 0, 5, 127, 1000, 2**31 - 1])
+        right = rnd.choice([None, 0, 3, 1000, 2**31 - 1])
         tiles = -(-sq * group // QK_TILE_M)
         m_blocks = sorted({0, tiles - 1, rnd.randrange(tiles)})
         fails = span_failures(sq, sk, left, right, group, tile_n, m_blocks=m_blocks)

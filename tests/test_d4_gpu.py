@@ -52,6 +52,18 @@ def test_varlen_windows(arch, window, head_dim, group, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("window", [(None, 2**31 - 1), (2**31 - 1, None), (2**31 - 1, 2**31 - 1), (2**31 - 1, 0)],
+                         ids=str)
+@pytest.mark.parametrize("head_dim", [64, 512])
+def test_bounds_up_to_2_31(arch, window, head_dim, record_errors):
+    """The largest bounds the call accepts (a window wider than any sequence): no position sum may
+    wrap (common/kv_span.py; the code before 2026-11-27 lost keys to it). seqlen_q > seqlen_k puts
+    tokens before the first key, where the left bound's subtraction would underflow."""
+    q, k, v, g = attention_inputs(2, 700, 300, 8, 1, head_dim, torch.bfloat16, kv_shared=head_dim == 512)
+    check_attention(stage.forward, q, k, v, record_errors, g, arch=arch, options={"window_size": window})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_varlen_deepseek_window_branch(arch, record_errors):
     """DeepSeek-V4's window branch over a variable-length prefill batch: 128 heads on one K = V
     head, hd 512, causal window (127, 0)."""

@@ -43,12 +43,15 @@ KERNELS = {  # name: (head_dim, options); the layout each must have is asserted 
 }
 LAYOUT = {"rows-g1": (False, False), "split-g8": (True, False), "seesaw-g128": (True, True)}  # (split, seesaw)
 
-# (has_left, has_right) -> runtime (left, right) windows; None where the bound is absent
+# (has_left, has_right) -> runtime (left, right) windows; None where the bound is absent. A bound of
+# 2**31 - 1 (the largest the calls accept: "wider than any sequence") must not wrap a position sum
+# (common/kv_span.py's module doc; the code before 2026-11-27 lost keys to it)
+HUGE = 2**31 - 1
 WINDOWS = {
     (False, False): [(None, None)],
-    (False, True): [(None, 0), (None, 3)],  # causal, and causal shifted right
-    (True, False): [(7, None), (127, None)],
-    (True, True): [(127, 0), (5, 3), (0, 0)],
+    (False, True): [(None, 0), (None, 3), (None, HUGE)],  # causal, causal shifted right, unbounded
+    (True, False): [(7, None), (127, None), (HUGE, None)],
+    (True, True): [(127, 0), (5, 3), (0, 0), (HUGE, HUGE), (HUGE, 0)],
 }
 BOUNDS = {"rows-g1": list(WINDOWS), "split-g8": [(False, True), (True, True)],
           "seesaw-g128": [(False, True), (True, True)]}
