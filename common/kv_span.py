@@ -75,6 +75,20 @@ def left_start(p, left):
     return p - cutlass.min(left, p + 1)
 
 
+def row_keys(p, seqlen_k, left, right, has_left: bool, has_right: bool):
+    """(lo, hi): the keys lo <= key < hi a query at position p sees, lo None without a left bound;
+    hi in [-1, seqlen_k], lo in [-1, max(p, -1)] (-1: nothing hidden on that side, or every key
+    hidden), so a kernel may subtract a tile's first key from either without overflow. The one
+    per-row rule of both architectures' masks (``mask_tile``, ``common.sm100_softmax.visible_keys``)."""
+    hi = seqlen_k
+    lo = None
+    if has_right:
+        hi = cutlass.max(right_end(p, right, seqlen_k), -1)
+    if has_left:
+        lo = left_start(p, left)
+    return lo, hi
+
+
 def key_span_at(p_lo, p_hi, seqlen_k, tile_n: int, left, right, has_left: bool, has_right: bool):
     """(origin, n_tiles): the first key of the span and the KV tiles that cover it (>= 1), for a Q
     tile whose tokens sit at positions p_lo <= .. <= p_hi in the frame of the keys (key j at j)."""
@@ -148,18 +162,17 @@ def mask_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Con
     ``right_end``), computed once per row relative to the thread's first column, key0 = first_key
     + tScS[0][1]. Value i's column offset tScS[i][1] - tScS[0][1] is a constant of the partition,
     so each value costs one or two compares against an immediate and a select, instead of its key,
-    two or three compares and their OR. The row's bounds are clamped to [-1, seqlen_k] before key0
+    two or three compares and their OR. The row's bounds (``row_keys``) are clamped before key0
     comes off, so no difference overflows either."""
     key0 = first_key + tScS[0][1]
     for i in cutlass.range_constexpr(cute.size(acc)):
         col = tScS[i][1] - tScS[0][1]  # a constant (the partition's column offsets)
         token_pos = token_position((first_row + tScS[i][0]) // group, seqlen_q, seqlen_k, positions, kv_start)
-        hi = seqlen_k  # per row (the same operands for a row's values: computed once)
-        if cutlass.const_expr(has_right):
-            hi = cutlass.max(right_end(token_pos, right, seqlen_k), -1)
+        # per row (the same operands for a row's values: computed once)
+        lo, hi = row_keys(token_pos, seqlen_k, left, right, has_left, has_right)
         hide = col >= hi - key0
         if cutlass.const_expr(has_left):
-            hide = hide | (col < left_start(token_pos, left) - key0)
+            hide = hide | (col < lo - key0)
         acc[i] = -cutlass.Float32.inf if hide else acc[i]
 
 

@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Uint32, const_expr
 
 from dsv4_attention.common.compressed import compressed_count
-from dsv4_attention.common.kv_span import left_start, right_end
+from dsv4_attention.common.kv_span import row_keys
 
 #: log2 units a row's max may grow before the warp rescales (FlashAttention-4's value)
 RESCALE_THRESHOLD = 8.0
@@ -103,16 +103,10 @@ def visible_keys(span, packed_row):
     (lo None without a left bound): ``kv_span.visible`` for one row, token = packed_row // group,
     at ``span.token_position`` (bottom-right aligned, token' = token + seqlen_k - seqlen_q, or the
     caller's positions). Per row, not per tile: a softmax thread computes it once per CTA."""
-    hi = span.seqlen_k  # the seqlen_k tail (every stage)
-    lo = None
-    if span.has_left or span.has_right:
-        token_pos = span.token_position(packed_row // span.group)
-        # no sum that can overflow, whatever the bound (common/kv_span.py's module doc)
-        if span.has_right:  # in [-1, seqlen_k]
-            hi = cutlass.max(right_end(token_pos, span.right, hi), -1)
-        if span.has_left:  # in [-1, token_pos]
-            lo = left_start(token_pos, span.left)
-    return lo, hi
+    if not (span.has_left or span.has_right):
+        return None, span.seqlen_k  # the seqlen_k tail (every stage)
+    token_pos = span.token_position(packed_row // span.group)
+    return row_keys(token_pos, span.seqlen_k, span.left, span.right, span.has_left, span.has_right)
 
 
 def visible_columns(keys, first_key):
