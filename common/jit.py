@@ -121,6 +121,19 @@ def compile_kernel(kernel, args, arch: str, extra_options: str = ""):
     return compiled
 
 
+def compile_ptx(kernel, args, arch: str, dump_dir) -> str:
+    """Compile like ``compile_kernel`` and return the kernel's PTX text, for host tests that read
+    the instructions the DSL emitted. Some DSL versions give the artifact as bytes, some as the
+    path of the kept file; both are read here."""
+    fn = compile_kernel(kernel, args, arch, f"--keep-ptx --dump-dir={dump_dir}")
+    ptx = fn.artifacts.PTX
+    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    if not ptx.lstrip().startswith("//") and ptx.endswith(".ptx"):
+        with open(ptx) as f:
+            ptx = f.read()
+    return ptx
+
+
 def cached(key, build):
     """The compiled function for ``key``; ``build()`` compiles it the first time only."""
     fn = _compiled.get(key)

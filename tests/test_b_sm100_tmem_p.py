@@ -574,9 +574,7 @@ def test_ptx_reads_and_writes_p_at_the_region_columns(tmp_path):
     head_dim = 64
     args = stage.example_args(torch.bfloat16, head_dim)
     kernel = stage.make_kernel("sm100", torch.bfloat16, head_dim)
-    fn = jit.compile_kernel(kernel, args, "sm100", f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = fn.artifacts.PTX
-    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    ptx = jit.compile_ptx(kernel, args, "sm100", tmp_path)
     resolve = _resolve(ptx)
 
     # PV MMAs (A in TMEM): O at base + 128, A of k-phase kp at base + 64 + 8 kp, one base

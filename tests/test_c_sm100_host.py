@@ -392,10 +392,7 @@ def test_ptx_tmem_operands_at_the_map_columns(tmp_path, head_dim):
     from dsv4_attention.stages import c_online_softmax as stage
 
     kernel = stage.make_kernel("sm100", torch.bfloat16, head_dim)
-    fn = jit.compile_kernel(kernel, stage.example_args(torch.bfloat16, head_dim), "sm100",
-                            f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = fn.artifacts.PTX
-    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    ptx = jit.compile_ptx(kernel, stage.example_args(torch.bfloat16, head_dim), "sm100", tmp_path)
     resolve = _resolve(ptx)
     base = _allocated_base(ptx)
     cols = _packed_columns(head_dim)

@@ -87,13 +87,7 @@ def probe(inline: bool = False) -> tuple[str, bool]:
         kernel(g).launch(grid=(2, 1, 1), block=(128, 1, 1), cluster=(2, 1, 1))
 
     with target_arch("sm90"), tempfile.TemporaryDirectory() as d:
-        fn = jit.compile_kernel(launch, [torch.zeros(2048, dtype=torch.bfloat16)], "sm90",
-                                f"--keep-ptx --dump-dir={d}")
-        ptx = fn.artifacts.PTX
-        ptx = ptx if isinstance(ptx, str) else ptx.decode()
-        if not ptx.lstrip().startswith("//") and ptx.endswith(".ptx"):  # some versions return the file's path
-            with open(ptx) as f:
-                ptx = f.read()
+        ptx = jit.compile_ptx(launch, [torch.zeros(2048, dtype=torch.bfloat16)], "sm90", d)
     line = next(x.strip() for x in ptx.splitlines() if "cp.async.bulk.shared::cluster.shared::cta" in x)
     mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%?\w+),", ptx))
     operands = re.search(r"\[(%?\w+)\],\s*\[(%?\w+)\],\s*[^,]+,\s*\[(%?\w+)\];$", line)
