@@ -210,3 +210,44 @@ def test_bench_date_counts_only_runs_that_benchmarked_the_stage():
     assert status._bench_date(rep, "d1") == "2026-11-25 09:30 UTC"
     assert status._bench_date(rep, "c") == "2026-11-26 10:00 UTC"
     assert status._bench_date(rep, "d4") == rep["date"]  # never benchmarked: the report's date
+
+
+def test_report_survives_a_cut_benchmark(tmp_path, monkeypatch):
+    """gpu_report rewrites the report after each benchmark group: when the second group dies (as a
+    call cut by the device's time limit does), the file holds the first group's rows; with
+    ``--deadline-s`` passed before a group starts, the group is not run and the run's record
+    names it. The tests and the GPU are stood in for; the merge, scope and write are the tool's."""
+    import json
+
+    from dsv4_attention.common import report
+    from tools import bench as bench_tool
+    from tools import gpu_report
+
+    monkeypatch.setattr(gpu_report, "present_arch", lambda: "sm90")
+    monkeypatch.setattr(gpu_report, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")  # no earlier report
+    ran = []
+
+    def fake_run(groups):
+        (g,) = groups
+        ran.append(g)
+        if g == "d4":
+            raise RuntimeError("cut")
+        return [{"stage": g, "case": f"{g} case", "ours_ms": 1.0}]
+
+    monkeypatch.setattr(bench_tool, "run", fake_run)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="cut"):
+        gpu_report.main(["--tests", "none", "--no-sanity", "--stage", "c", "--stage", "d4", "--out", str(out)])
+    got = json.loads((out / "h100.json").read_text())
+    assert [r["stage"] for r in got["bench"]] == ["c"] and set(got["bench_sources"]) == {"c"}
+
+    ran.clear()
+    clock = iter([0.0, 0.0, 50.0, 50.0])  # the start, group c's check, then past the deadline
+    monkeypatch.setattr(gpu_report.time, "monotonic", lambda: next(clock))
+    assert gpu_report.main(["--tests", "none", "--no-sanity", "--stage", "c", "--stage", "d4", "--deadline-s", "10",
+                            "--out", str(out)]) == 0
+    got = json.loads((out / "h100.json").read_text())
+    assert ran == ["c"]
+    assert got["runs"][-1]["bench_skipped"] == ["d4"]
+    assert [r["stage"] for r in got["bench"]] == ["c"]

@@ -2,6 +2,7 @@
 
     python -m tools.gpu_report --out DIR [--stage a ... | --stage calls | --stage decode]
                                [--tests all|gpu|none] [--no-bench] [--no-sanity] [--shard K/N]
+                               [--deadline-s S]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
 (sha256 of every file under stages/ and common/), test counts per stage and
@@ -25,6 +26,11 @@ from the tree, replacing the same parts of the same groups, and a group whose fi
 its results ran shows as stale until it runs again (common/report.py). So after a change to one
 stage's kernel, ``--tests stage --stage X`` and ``--tests none --stage X`` bring X's evidence up
 to date without re-running the other stages. Copy the file into docs/results/ and commit it.
+
+The report is written after the tests and again after each benchmark group, so a call that
+the device's 10-minute limit cuts keeps what finished; ``--deadline-s S`` starts no benchmark
+group past S seconds from the start (the run's record lists the groups left out, and their
+rows stay as the earlier reports left them).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 
 from dsv4_attention.common import report
 from dsv4_attention.common.arch import gpu_name, present_arch
@@ -133,7 +140,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sanity", action="store_true")
     ap.add_argument("--shard", help="K/N: run part K of N of the test session")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no benchmark group after this many seconds from the start (the report names "
+                         "the groups left out); the report is rewritten after the tests and after each group")
     a = ap.parse_args(argv)
+    start = time.monotonic()
     shard = tuple(int(x) for x in a.shard.split("/")) if a.shard else None
     if shard and not (a.tests == "all" and 1 <= shard[0] <= shard[1]):
         ap.error("--shard K/N needs --tests all and 1 <= K <= N")
@@ -194,17 +205,32 @@ def main(argv=None) -> int:
     if part:
         new["runs"][0]["part"] = part
         report.add_tests(new, summary, part, group_ids)
+    existing = report.RESULTS / f"{name}.json"
+    old = report.load(existing) if existing.exists() else None
+
+    def write(final: bool):
+        merged = report.merge(old, new)
+        (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        if final:
+            print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")
+
+    if a.tests != "none":
+        write(False)  # the tests' results survive a benchmark the device's time limit cuts
     if not a.no_bench:
-        new["bench"] = bench_tool.run(bench_ids)
-        new["bench_sources"] = {g: report.scoped(srcs, g, "bench") for g in bench_ids}
+        new["bench_sources"] = {}
+        for g in bench_ids:  # one group at a time, the report rewritten after each
+            if a.deadline_s and time.monotonic() - start > a.deadline_s:
+                skipped = bench_ids[bench_ids.index(g):]
+                new["runs"][0]["bench_skipped"] = skipped
+                print(f"deadline ({a.deadline_s:.0f} s) passed: benchmarks {skipped} not run", flush=True)
+                break
+            new["bench"] += bench_tool.run([g])
+            new["bench_sources"][g] = report.scoped(srcs, g, "bench")
+            write(False)
     if not a.no_sanity:
         new["peer_sanity"] = bench.peer_sanity()
         print("peer sanity:", json.dumps(new["peer_sanity"]), flush=True)
-    existing = report.RESULTS / f"{name}.json"
-    old = report.load(existing) if existing.exists() else None
-    merged = report.merge(old, new)
-    (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")
+    write(True)
     return summary["pytest_exit"] or 0
 
 
