@@ -17,9 +17,9 @@ before it left (on 2026-11-27 an hd 256 row whose kernel was the same in both ve
 faster in the processes where the case before it had become slower and drew less power), so
 every case starts from the same state whatever ran before it."""
 
+import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -66,6 +66,10 @@ def main(path: str, quick: bool = False, stage_c: bool = False, causal_only: boo
 
 
 if __name__ == "__main__":
-    flags = sys.argv[2:]
-    main(sys.argv[1], quick="--quick" in flags, stage_c="--stage" in flags and flags[flags.index("--stage") + 1] == "c",
-         causal_only="--causal" in flags)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path", help="where the process's rows go (JSON)")
+    ap.add_argument("--stage", choices=("c", "d4"), default="d4", help="c: stage C's own kernel, non-causal cases")
+    ap.add_argument("--quick", action="store_true", help="non-causal at 1k, 4k and 16k only")
+    ap.add_argument("--causal", action="store_true", help="stage D4's causal cases only")
+    a = ap.parse_args()
+    main(a.path, quick=a.quick, stage_c=a.stage == "c", causal_only=a.causal)
