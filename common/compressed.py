@@ -257,8 +257,10 @@ class TopkSpan(FusedSpan):
 
     def list_slot(self, n):
         """The ring slot of tile n's visit (the kernels visit tiles last-first: ring use
-        t = base + n_tiles - 1 - n, ``base`` the uses of the CTA's earlier Q tiles)."""
-        return (self.list_base + self.n_tiles - 1 - n) % self.slots
+        t = base + n_tiles - 1 - n, ``base`` the uses of the CTA's earlier Q tiles; a split-KV unit
+        counts from its own first tile, ``tile_visit``)."""
+        end = self.n_tiles if self.n_end is None else self.n_end
+        return (self.list_base + end - 1 - n) % self.slots
 
     def list_source(self, n, c):
         """The list position whose entry row c of tile n's staged list holds: n T + c, clamped to

@@ -26,7 +26,8 @@ MAX_GRID_YZ = 65535  # attention grids are (q tiles, heads, batch)
 def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 1000, *, kv_shared: bool = False,
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
-                           has_compressed: bool = False, has_topk: bool = False, has_positions: bool = False, **_):
+                           has_compressed: bool = False, has_topk: bool = False, has_positions: bool = False,
+                           split_kv: bool = False, **_):
     """CPU arguments of an attention kernel for the kernel options given, as a call passes them
     (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
     tensor as K and V) and the trailing MASK_ARGS of stage D1's kernel and those built on it
@@ -46,6 +47,11 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                  torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
                  torch.zeros(2, 300, dtype=torch.int32) if has_positions else None,
                  cu if varlen and has_compressed else None]
+        if split_kv:  # two splits of each batch entry: partial O and LSE at batch index s B + b
+            args += [torch.empty(4, 300, 4, head_dim, dtype=torch.float32),
+                     torch.empty(4, 4, 300, dtype=torch.float32), 2]
+        else:
+            args += [None, None, 0]
     return args
 
 
@@ -122,23 +128,26 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
 
 #: the trailing arguments of stage D1's kernel (after the stream), which later stages use:
 #: seqused_k (D3), window_left, window_right (D4), cu_seqlens_q, cu_seqlens_k, max_seqlen_q (D3
-#: varlen), learnable_sink (D5), compressed_kv, compress_ratio, topk_indices, kv_start (E). Unused tensors
+#: varlen), learnable_sink (D5), compressed_kv, compress_ratio, topk_indices, kv_start, positions,
+#: cu_seqlens_compressed (E), o_partial, lse_partial, num_splits (split-KV, common/split_kv.py). Unused tensors
 #: go as None, unused integers as 0: the kernel compiles them out, and an exported C signature
 #: (common/kernel_cache.py)
 #: has no optional integers.
 MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
              "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions",
-             "cu_seqlens_compressed")
+             "cu_seqlens_compressed", "o_partial", "lse_partial", "num_splits")
 
 
 def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
               learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=0,
-              positions=None, cu_seqlens_compressed=None):
-    """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot)."""
+              positions=None, cu_seqlens_compressed=None, partials=None):
+    """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot).
+    ``partials``: split-KV's (o_partial, lse_partial, num_splits), or None."""
+    o_part, lse_part, splits = (None, None, 0) if partials is None else partials
     return [seqused_k, int(0 if left is None else left), int(0 if right is None else right), cu_seqlens_q,
             cu_seqlens_k, int(max_seqlen_q), learnable_sink, compressed_kv,
             int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start), positions,
-            cu_seqlens_compressed]
+            cu_seqlens_compressed, o_part, lse_part, int(splits)]
 
 
 def no_mask_args():
@@ -151,7 +160,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
                              kv_start=0, index_mode=False, positions=None, cu_seqlens_compressed=None,
-                             check_indices=True):
+                             check_indices=True, num_splits=1):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -168,19 +177,27 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     ``topk_indices`` [total_q, k] indexes the token's request's entries and ``positions`` is
     [total_q], non-decreasing within each request. ``check_indices`` False: the top-k values are
     not read on the host (no device sync; the kernel masks an index outside [0, visible entries)
-    like -1), so such a call is planned like one without lists. An option
+    like -1), so such a call is planned like one without lists. ``num_splits`` (split-KV decode,
+    common/split_kv.py): 1 runs each Q tile in one unit; S > 1 cuts each tile's keys over S units
+    of the persistent seesaw (sm90, K = V at head dim 384 / 512, batched tensors) and merges their
+    fp32 partial results on the device, the sink applied there; None chooses S from the shapes
+    (``split_kv.choose_splits``: 1 where the Q tiles already fill half the SMs). A split call is
+    validated every time (never planned). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     plan = plan_key = None
     # a call whose checks read tensor values (lengths, lists, positions) is validated every time
     plan_tensors = (learnable_sink, compressed_kv, topk_indices)
-    if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None:
+    unsplit = num_splits.__class__ is int and num_splits == 1
+    if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None \
+            and unsplit:
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode,
                                check_indices)
         plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
         if done is not None:
             return done
+    from dsv4_attention.common import split_kv
     from dsv4_attention.common.pack_heads import pack_group
     from dsv4_attention.common.validation import (
         check_compressed,
@@ -195,6 +212,10 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         varlen_request_starts,
     )
 
+    if num_splits is not None and not unsplit:
+        split_kv.check_num_splits(num_splits, True, False, "sm90")  # its type and range, before anything
+    splits = [1]  # the call's split count, decided with the architecture (``prepare``)
+    parts = [None]  # split-KV: the partial buffers the launch wrote (None: no split launch ran)
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
     if cu_seqlens_compressed is not None and not (varlen and compressed):
         raise ValueError("cu_seqlens_compressed places the compressed entries of a variable-length batch: pass it "
@@ -218,8 +239,6 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         options["has_left"] = True
     if right is not None:
         options["has_right"] = True
-    if learnable_sink is not None:
-        options["has_sink"] = True
 
     def prepare(arch, q, k, compressed_checked=False):
         check_kv_start(kv_start, k.shape[1])
@@ -252,16 +271,53 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                     chosen["has_topk"] = True
                     if index_mode:  # the lists are every key (FlashMLA's sparse attention)
                         chosen["index_mode"] = True
+        splits[0] = split_count(arch, q, k, chosen["pack_group"])
+        if splits[0] > 1:
+            chosen["split_kv"] = True  # the sink goes to the merge, not the kernel
+        elif learnable_sink is not None:
+            chosen["has_sink"] = True
         return chosen
 
+    def split_count(arch, q, k, group):
+        from dsv4_attention.common.persistent import device_sms
+        from dsv4_attention.common.tiles import uses_seesaw
+
+        seesaw = uses_seesaw(arch, q.shape[3], kv_shared)
+        if num_splits is not None:
+            return split_kv.check_num_splits(num_splits, seesaw, varlen, arch)
+        if not seesaw or varlen or arch != "sm90":
+            return 1
+        keys = k.shape[1] if left is None else min(k.shape[1], left + q.shape[1] + (right or 0))
+        if entries[0] is not None:
+            keys += entries[2].shape[2] if entries[2] is not None else entries[0].shape[1]
+        return split_kv.auto_splits(q.shape[0], q.shape[1], group, k.shape[2], keys, device_sms())
+
+    def kernel_sink():
+        return learnable_sink if splits[0] == 1 else None
+
+    def partials(q):
+        if splits[0] == 1:
+            return None
+        o_shape, lse_shape = tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1])
+        parts[0] = split_kv.partial_buffers(splits[0], o_shape, lse_shape, q.device)
+        return (*parts[0], splits[0])
+
+    def merged(o, lse):
+        if parts[0] is not None:
+            split_kv.combine(*parts[0], o, lse, learnable_sink)
+        return o, lse
+
     if not varlen:
-        return attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
-                                 options=options, options_for=prepare, plan=plan, plan_key=plan_key,
-                                 plan_tensors=plan_tensors,
-                                 extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=learnable_sink,
-                                                              compressed_kv=entries[0], compress_ratio=entries[1],
-                                                              topk_indices=entries[2], kv_start=kv_start,
-                                                              positions=position_rows[0]))
+        return merged(*attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
+                                         options=options, options_for=prepare, plan=plan, plan_key=plan_key,
+                                         plan_tensors=plan_tensors,
+                                         extra_args=lambda: mask_args(seqused_k, left, right,
+                                                                      learnable_sink=kernel_sink(),
+                                                                      compressed_kv=entries[0],
+                                                                      compress_ratio=entries[1],
+                                                                      topk_indices=entries[2], kv_start=kv_start,
+                                                                      positions=position_rows[0],
+                                                                      partials=partials(q))))
     # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
     # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -203,7 +203,15 @@ class KvSpan:
 
     # A runtime loop that uses the span carries it through its IR values (the DSL integers)
     _DYNAMIC = ("seqlen_q", "seqlen_k", "left", "right", "p_lo", "p_hi", "origin", "n_tiles", "positions",
-                "kv_start")
+                "kv_start", "n_end")
+    #: split-KV (common/split_kv.py): the tile after the first one this work unit visits; None: the
+    #: whole span, n_tiles (a compile-time None: an unsplit kernel computes exactly what it did)
+    n_end = None
+
+    def visit_tile(self, v):
+        """The tile of visit v: the kernels visit tiles last first, from n_end - 1."""
+        end = self.n_tiles if self.n_end is None else self.n_end
+        return end - 1 - v
 
     def __extract_mlir_values__(self):
         values, self._counts = [], []

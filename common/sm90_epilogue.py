@@ -176,6 +176,18 @@ def store_o_chunks(
 
 
 @cute.jit
+def store_o_rows(acc_o: cute.Tensor, thr_mma: cute.ThrMma, gO: cute.Tensor, rows_left: cutlass.Int32):
+    """acc_o (this thread's C fragment of a (rows, cols) MMA tile) straight to ``gO``, the tile's
+    global memory in the accumulator's dtype (split-KV's fp32 partial O), rows < ``rows_left``
+    only. Each value goes from the thread that holds it: no SMEM, no barrier."""
+    tOgO = thr_mma.partition_C(gO)
+    coords = thr_mma.partition_C(cute.make_identity_tensor(cute.product_each(gO.shape)))
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        if coords[i][0] < rows_left:
+            tOgO[i] = acc_o[i]
+
+
+@cute.jit
 def copy_rows(src: cute.Tensor, dst: cute.Tensor, rows_left: cutlass.Int32, tidx: cutlass.Int32,
               num_threads: cutlass.Constexpr[int]):
     """dst[r, :] = src[r, :] for the rows r < rows_left of a (rows, cols) tile, the threads taking

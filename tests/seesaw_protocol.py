@@ -48,6 +48,8 @@ import cutlass
 import pytest
 from plain_jit import plain
 
+from dsv4_attention.common.kv_span import KvSpan
+
 HANDOFFS = 8  # stand-ins handed to the kernel (it uses the first few; the checker counts those used)
 WARPS = 4  # arrivals of one warpgroup's release (lane 0 of each warp, or every thread counted as its warp)
 
@@ -88,6 +90,16 @@ class _Handoff:
 
     def wait(self, r):
         self.ops.append(("wait_h", self.i, r))
+
+
+class _Span:
+    """The producer's span: its tile count, visited in the kernel's own order (``KvSpan.visit_tile``,
+    unsplit)."""
+    n_end = None
+    visit_tile = KvSpan.visit_tile
+
+    def __init__(self, n_tiles):
+        self.n_tiles = n_tiles
 
 
 class _Anything:
@@ -176,7 +188,7 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
     monkeypatch.setattr(k, "load_kv", lambda ring, t, n, *srcs, half=None: ring.load(t, half), raising=False)
     t0 = 0
     for it, n in enumerate(tiles):
-        plain(type(k).load_pairs)(k, rec["producer"], n, (), (), 0, t0, it, None)
+        plain(type(k).load_pairs)(k, rec["producer"], n, (_Span(n),), (), 0, t0, it, None)
         t0 += n
 
     # the consumers: stage D1's consume_seesaw around seesaw_lead / seesaw_follow, tile after tile:

@@ -303,7 +303,43 @@ def bench_decode(dev) -> list:
             for sk in (4096, 65536):
                 rows += guarded(decode_row, dev, sq, sk, topk, copy)
                 torch.cuda.empty_cache()
+    # few requests with long spans: split-KV (common/split_kv.py) against one unit per Q tile
+    for mode, sk in (("dense", 8192), ("dense", 65536), ("hca", 1 << 20)):
+        for b in (1, 4, 16):
+            rows += guarded(split_decode_row, dev, mode, b, sk)
+            torch.cuda.empty_cache()
     return rows
+
+
+def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
+    """Decode of ``b`` requests x 1 token x 128 heads, hd 512 K = V, sink: every one of ``sk`` keys
+    (``mode`` dense: MQA decode) or DeepSeek-V4's HCA layer (window (127, 0) + the sk / 128
+    entries). The split count the library chooses (``num_splits=None``) against one unit per Q
+    tile (``num_splits=1``), both replayed from CUDA graphs in the same run, same inputs."""
+    from dsv4_attention.common import split_kv
+    from dsv4_attention.common.persistent import device_sms
+    from dsv4_attention.stages import e_fused
+
+    c = dsv4_layer(dev, b, 1, sk, None)
+    kw = {"learnable_sink": c["learnable_sink"]}
+    keys = sk
+    if mode == "hca":
+        kw.update(compressed_kv=c["compressed_kv"], compress_ratio=c["compress_ratio"], causal=True,
+                  window_size=(127, 0))
+        keys = 128 + c["compressed_kv"].shape[1]
+    splits = split_kv.auto_splits(b, 1, 128, 1, keys, device_sms())
+    ms = {n: graph_ms([lambda n=n: e_fused.forward(c["q"], c["kv"], num_splits=n, **kw)])
+          for n in (1, None)}
+    diff = (e_fused.forward(c["q"], c["kv"], num_splits=None, **kw)[0].float()
+            - e_fused.forward(c["q"], c["kv"], **kw)[0].float()).abs().max().item()
+    what = "every key" if mode == "dense" else f"window(127, 0) + {c['compressed_kv'].shape[1]} entries (ratio 128)"
+    row = {"stage": "decode", "case": f"split-KV decode b{b} h128 hk1 sq1 sk{sk} {what} hd512 k_eq_v sink bf16",
+           "head_dim": 512, "seqlen": sk, "kind": "split-KV decode (CUDA graph replay)", "num_splits": splits,
+           "ours_ms": round(ms[None], 4), "unsplit_ms": round(ms[1], 4), "split_speedup": round(ms[1] / ms[None], 2),
+           "max_abs_diff_vs_unsplit": diff, "peers": {}, "peer_ms": {}, "time_ratio_vs": {}}
+    print(f"decode {row['case']}: split {splits} ways {ms[None] * 1e3:.1f} us, unsplit {ms[1] * 1e3:.1f} us "
+          f"({row['split_speedup']}x), max|diff| {diff:.3g}", flush=True)
+    return row
 
 
 def guarded(make_row, *args) -> list:

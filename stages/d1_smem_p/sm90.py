@@ -147,7 +147,7 @@ from dsv4_attention.common.sm90_barriers import (
     pingpong_start,
     pingpong_wait,
 )
-from dsv4_attention.common.sm90_epilogue import store_lse
+from dsv4_attention.common.sm90_epilogue import store_lse, store_o_rows
 from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
 from dsv4_attention.common.sm90_epilogue import store_o_chunks as epilogue_store_o_chunks
 from dsv4_attention.common.sm90_gemm import (
@@ -166,6 +166,7 @@ from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_
 from dsv4_attention.common.sm90_producer import load_q, load_q_k_v
 from dsv4_attention.common.smem_p import make_p_smem_layout, store_p
 from dsv4_attention.common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
+from dsv4_attention.common.split_kv import split_visits
 from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE, split_columns, uses_seesaw
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
@@ -210,6 +211,7 @@ class ConsumerOperands:
     batch: cutlass.Int32
     seqlen_q: cutlass.Int32
     span: KvSpan
+    o_part: tuple | None = None  # split-KV: (the fp32 partial O tiles, partial LSE, partial batch index)
 
 
 @dataclasses.dataclass
@@ -269,6 +271,7 @@ class TileViews:
     gV: cute.Tensor
     mC_hb: cute.Tensor  # the compressed entries' (seqlen_c, d) (fused stage)
     mC_mem_hb: cute.Tensor  # their memory (E top-k gathers by address)
+    o_part: tuple | None = None  # split-KV: (the fp32 partial O tiles, partial LSE, partial batch index)
 
 
 def smem_buffer(dtype, elems: int, used: bool):
@@ -289,6 +292,7 @@ class FlashAttentionD1Sm90:
         *,
         kv_shared: bool = False,
         p_in_smem: bool | None = None,
+        split_kv: bool = False,
     ):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise TypeError(f"dtype must be BFloat16 or Float16, got {dtype}")
@@ -333,6 +337,11 @@ class FlashAttentionD1Sm90:
         # part of the configuration key where tiles.uses_seesaw says so (common/jit.config_key)
         self.persistent = self.seesaw
         self.ctas = grid_ctas()
+        # split-KV (common/split_kv.py): each Q tile's span cut over num_splits units of the
+        # persistent loop, each storing its partial O (fp32) and LSE; the host merges them
+        self.split_kv = bool(split_kv)
+        if self.split_kv and not self.seesaw:
+            raise ValueError("split_kv needs the persistent seesaw (K = V at head dim 384 or 512)")
         self.shared_storage = None  # set when __call__ is traced
 
     def smem_bytes_fixed(self) -> int:
@@ -381,8 +390,14 @@ class FlashAttentionD1Sm90:
         kv_start: cutlass.Int32 = None,
         mPositions: cute.Tensor | None = None,
         mCuSeqlensC: cute.Tensor | None = None,
+        mOPartial: cute.Tensor | None = None,
+        mLSEPartial: cute.Tensor | None = None,
+        num_splits: cutlass.Int32 = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
+        if cutlass.const_expr(self.split_kv):  # split s of batch entry b at batch index s B + b
+            mOPartial = seq_major(mOPartial)
+            _, mOPartial, mLSEPartial = self.row_views(mOPartial, mOPartial, mLSEPartial)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
         mQ, mO, mLSE = self.row_views(mQ, mO, mLSE)
 
@@ -451,6 +466,8 @@ class FlashAttentionD1Sm90:
             m_tiles, batches = cute.ceil_div(max_seqlen_q * self.pack_group, self.tile_m), mCuSeqlensQ.shape[0] - 1
         grid = (m_tiles, mQ.shape[2], batches)
         n_tiles = m_tiles * mQ.shape[2] * batches
+        if cutlass.const_expr(self.split_kv):  # a unit per (Q tile, split)
+            n_tiles = n_tiles * num_splits
         if cutlass.const_expr(self.persistent):  # common/persistent.py: at most one CTA per SM, looping
             grid = (cutlass.min(n_tiles, self.ctas), 1, 1)
         self.kernel(
@@ -459,7 +476,8 @@ class FlashAttentionD1Sm90:
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
             mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC, m_tiles, n_tiles,
+            mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC, m_tiles, n_tiles, mOPartial, mLSEPartial,
+            num_splits if cutlass.const_expr(self.split_kv) else None,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -563,11 +581,15 @@ class FlashAttentionD1Sm90:
         mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
         mCuSeqlensC: cute.Tensor | None,  # E varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1] of mC
         m_tiles: cutlass.Int32,  # Q tiles per (head, batch entry) of the launch (varlen: the longest request's)
-        n_tiles: cutlass.Int32,  # m_tiles x heads x batch entries: the persistent loop's tiles
+        n_tiles: cutlass.Int32,  # m_tiles x heads x batch entries (x splits): the persistent loop's units
+        mOPartial: cute.Tensor | None,  # split-KV: (rows, d, heads, splits x batch) fp32 partial O
+        mLSEPartial: cute.Tensor | None,  # split-KV: (splits x batch, heads, rows) fp32 partial LSE
+        num_splits: cutlass.Int32 | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tensors = (mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mC,
-                   compress_ratio, mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC)
+                   compress_ratio, mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC, mOPartial, mLSEPartial,
+                   num_splits)
         atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c)
         layouts = (sQ_layout, sKV_layout, sVt_layout, sP_layout)
         mmas = (qk_mma, pv_mma, pv_own_mma)
@@ -628,39 +650,57 @@ class FlashAttentionD1Sm90:
         r0 = cutlass.Int32(0)
         it = cutlass.Int32(0)
         for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
-            m_block, head, req, has_rows = self.tile_at(tile_idx, m_tiles, heads, tensors)
+            m_block, head, req, has_rows, split = self.tile_at(tile_idx, m_tiles, heads, tensors)
             if has_rows:
-                tile = self.tile_views(m_block, head, req, tensors, smem, t0)
-                if cutlass.const_expr(role == PRODUCER):
-                    self.load(smem, tile, atoms, warp_idx, t0, it)
-                else:
-                    c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
-                    self.consume_seesaw(role, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it,
-                                        smem.q_empty)
-                    r0 = r0 + (tile.n_blocks + 1) // 2
-                t0 = t0 + tile.n_blocks
-                it = it + 1
+                tile = self.tile_views(m_block, head, req, tensors, smem, t0, split)
+                if self.has_visits(tile):
+                    if cutlass.const_expr(role == PRODUCER):
+                        self.load(smem, tile, atoms, warp_idx, t0, it)
+                    else:
+                        c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
+                        self.consume_seesaw(role, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it,
+                                            smem.q_empty)
+                        r0 = r0 + (tile.n_blocks + 1) // 2
+                    t0 = t0 + tile.n_blocks
+                    it = it + 1
+                else:  # split-KV: a split past the span's tiles stores O = 0, LSE = -inf, loads nothing
+                    if cutlass.const_expr(self.split_kv and role != PRODUCER):
+                        self.store_empty_split(role, self.consumer_operands(mmas, smem, tile, atoms, mSink,
+                                                                            scale_log2))
 
     @cute.jit
     def tile_at(self, tile_idx, m_tiles, heads, tensors):
-        """The launch's tile ``tile_idx`` as every role of the persistent loop sees it: (m_block,
-        head, its request, whether it has rows: a tile past its request's rows has no work, varlen)."""
-        m_block, head, batch = self.tile_coords(tile_idx, m_tiles, heads)
+        """The launch's unit ``tile_idx`` as every role of the persistent loop sees it: (m_block,
+        head, its request, whether it has rows: a tile past its request's rows has no work, varlen;
+        its split, split-KV, else None)."""
+        m_block, head, batch, split = self.tile_coords(tile_idx, m_tiles, heads, tensors[20])
         req = self.tile_request(head, batch, tensors)
         has_rows = cutlass.Boolean(True)
         if cutlass.const_expr(self.varlen):  # the launch spans the longest request
             has_rows = m_block * self.tile_m < req.n_rows
-        return m_block, head, req, has_rows
+        return m_block, head, req, has_rows, split
 
     @cute.jit
-    def tile_coords(self, tile_idx, m_tiles, heads):
-        """(m_block, head, batch) of the launch's tile ``tile_idx``: the Q tile fastest, then the head
-        (the non-persistent grid's x, y, z, in that order); longest first where D4 asks for it."""
+    def tile_coords(self, tile_idx, m_tiles, heads, num_splits=None):
+        """(m_block, head, batch, split) of the launch's unit ``tile_idx``: the Q tile fastest, then
+        the split (split-KV; else None), the head, the batch entry (the non-persistent grid's x, y,
+        z, in that order: a token's Q tiles, and then its splits, run side by side on the same KV
+        rows); longest first where D4 asks for it."""
         m_block = tile_idx % m_tiles
         hb = tile_idx // m_tiles
+        split = None
+        if cutlass.const_expr(self.split_kv):
+            split = hb % num_splits
+            hb = hb // num_splits
         if cutlass.const_expr(self.longest_first):
             m_block = m_tiles - 1 - m_block
-        return m_block, hb % heads, hb // heads
+        return m_block, hb % heads, hb // heads, split
+
+    def has_visits(self, tile: "TileViews"):
+        """Whether a unit visits any KV tile: always, but for a split-KV unit past its span's tiles."""
+        if cutlass.const_expr(self.split_kv):
+            return tile.n_blocks > 0
+        return True
 
     @cute.jit
     def prefetch_descriptors(self, atoms, warp_idx):
@@ -732,7 +772,7 @@ class FlashAttentionD1Sm90:
     def tile_request(self, head, batch, tensors) -> "TileRequest":
         """The request of a tile's (head, batch entry): its views and lengths (the D3 and E seams)."""
         (mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, _wl, _wr, mCuSeqlensQ, mCuSeqlensK, mC, _ratio, mTopk, mC_mem,
-         _kv_start, mPositions, mCuSeqlensC) = tensors
+         _kv_start, mPositions, mCuSeqlensC) = tensors[:18]
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
             batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
@@ -743,20 +783,30 @@ class FlashAttentionD1Sm90:
                            topk=topk_b, positions=positions_b)
 
     @cute.jit
-    def tile_views(self, m_block, head, req: "TileRequest", tensors, smem: "SharedViews", t0) -> "TileViews":
+    def tile_views(self, m_block, head, req: "TileRequest", tensors, smem: "SharedViews", t0,
+                   split=None) -> "TileViews":
         """Q tile ``m_block`` of (head, req): its key span (ring uses from ``t0``: a top-k span's
-        staged lists follow the ring's slots) and the global views its loads and stores cut."""
+        staged lists follow the ring's slots) and the global views its loads and stores cut.
+        split-KV: the span's visits are split ``split``'s (common/split_kv.py), its O and LSE go to
+        the partial buffers at batch index split B + b."""
         window_left, window_right, compress_ratio, kv_start = tensors[7], tensors[8], tensors[12], tensors[15]
         d, b, head_kv = self.head_dim, req.b, req.head_kv
         span = self.kv_span(m_block, req.n_rows, req.seqlen_k, window_left, window_right, compress_ratio,
                             req.n_compressed, req.topk, kv_start, req.positions)
+        n_blocks = span.n_tiles
+        o_part = None
+        if cutlass.const_expr(self.split_kv):
+            mOp, mLSEp, num_splits = tensors[18], tensors[19], tensors[20]
+            span.n_end, n_blocks = split_visits(span.n_tiles, split, num_splits)
+            pb = split * (mOp.shape[3] // num_splits) + b
+            o_part = (cute.local_tile(mOp[None, None, head, pb], (self.tile_m, d), (None, 0)), mLSEp, pb)
         if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
             span.stage_lists(smem.lists, self.slots, t0)
         # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
         mK_hb = cute.domain_offset((span.origin, 0), req.mK[None, None, head_kv, b])
         mV_hb = cute.domain_offset((span.origin, 0), req.mV[None, None, head_kv, b])
         return TileViews(
-            m_block=m_block, head=head, b=b, n_rows=req.n_rows, span=span, n_blocks=span.n_tiles, mLSE=req.mLSE,
+            m_block=m_block, head=head, b=b, n_rows=req.n_rows, span=span, n_blocks=n_blocks, mLSE=req.mLSE,
             gQ=cute.local_tile(req.mQ[None, None, head, b], (self.tile_m, d), (None, 0)),
             gO=cute.local_tile(req.mO[None, None, head, b], (self.tile_m, d), (None, 0)),
             gO_mem=cute.local_tile(req.mO_mem[None, None, head, b], (self.tile_m, d), (None, 0)),
@@ -765,12 +815,13 @@ class FlashAttentionD1Sm90:
             gV=cute.local_tile(mV_hb, (self.tile_n, d), (None, 0)),
             mC_hb=req.mC[None, None, head_kv, b],
             mC_mem_hb=req.mC_mem[None, None, head_kv, b],
+            o_part=o_part,
         )
 
     def consumer_operands(self, mmas, smem: "SharedViews", tile: "TileViews", atoms, mSink, scale_log2):
         return ConsumerOperands(mmas[0], mmas[1], smem.q_bar, smem.sQ, smem.sK, smem.sVt, smem.sP, smem.row_stats,
                                 atoms[3], tile.gO, tile.gO_mem, tile.mLSE, mSink, scale_log2, tile.m_block, tile.head,
-                                tile.b, tile.n_rows, tile.span)
+                                tile.b, tile.n_rows, tile.span, tile.o_part)
 
     @cute.jit
     def init_ring(self, ring: KvChunkRing, warp_idx: cutlass.Int32):
@@ -830,6 +881,7 @@ class FlashAttentionD1Sm90:
         for ``q_empty``, the previous tile's last QKs, which come before the PVs that free the
         slot) and where the load waits for its index list (``q_first``)."""
         n_last = n_blocks - 1
+        span = srcs[0]
         q_ahead, q_after = it > 0, it == 0
         if cutlass.const_expr(self.q_first()):
             q_ahead, q_after = True, False
@@ -839,15 +891,16 @@ class FlashAttentionD1Sm90:
             if k == 0:
                 if q_ahead:
                     self.issue_q(q_load, warp_idx, it, q_empty)
-            self.load_kv(ring, t0 + t_a, n_last - t_a, *srcs, half=0)
+            n_a = span.visit_tile(t_a)  # tile a (b is n_a - 1)
+            self.load_kv(ring, t0 + t_a, n_a, *srcs, half=0)
             if k == 0:
                 if q_after:
                     self.issue_q(q_load, warp_idx, it, q_empty)
             if has_b:
-                self.load_kv(ring, t0 + t_a + 1, n_last - t_a - 1, *srcs, half=1)
-            self.load_kv(ring, t0 + t_a, n_last - t_a, *srcs, half=1)
+                self.load_kv(ring, t0 + t_a + 1, n_a - 1, *srcs, half=1)
+            self.load_kv(ring, t0 + t_a, n_a, *srcs, half=1)
             if has_b:
-                self.load_kv(ring, t0 + t_a + 1, n_last - t_a - 1, *srcs, half=0)
+                self.load_kv(ring, t0 + t_a + 1, n_a - 1, *srcs, half=0)
 
     @cute.jit
     def issue_q(self, q_load, warp_idx, it, q_empty):
@@ -1086,9 +1139,9 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(not overlap):  # only this QK read the second half of tile a
             ring.release(ta, 1)
         if t == 0:
-            self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=True)
+            self.mask_s(span, acc_s, ops.tScS, span.visit_tile(t), first_row, first=True)
         else:
-            self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t, first_row, first=False)
+            self.mask_s(span, acc_s, ops.tScS, span.visit_tile(t), first_row, first=False)
         tile_max = softmax.tile_max(acc_s)
         self.publish_max(softmax.new_max(tile_max), stat_rows, row_stats, 0)
         handoffs[0].arrive()
@@ -1151,7 +1204,7 @@ class FlashAttentionD1Sm90:
             warpgroup.wait_group(0)
             if t_b + 2 >= n_blocks:  # the follower's last QK (b is the last or next-to-last tile)
                 self.release_q(ops.q_empty)
-            self.mask_s(span, acc_s, ops.tScS, n_blocks - 1 - t_b, first_row, first=False)
+            self.mask_s(span, acc_s, ops.tScS, span.visit_tile(t_b), first_row, first=False)
             ring.release(rb, 0)  # after the mask: a top-k slot's staged list is read there
             tile_max = softmax.tile_max(acc_s)
         handoffs[0].wait(rnd)
@@ -1224,16 +1277,48 @@ class FlashAttentionD1Sm90:
         self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
         scale_rows(acc_o, inv_sum)
         first_row = c.m_block * self.tile_m
-        if cutlass.const_expr(self.persistent):  # the seesaw: wg is a constant here
+        if cutlass.const_expr(self.split_kv):  # a split's part: O in fp32 and LSE, no sink (the host's merge)
+            self.store_partial(c, acc_o, softmax.lse, tScS, thr_pv, wg)
+        elif cutlass.const_expr(self.persistent):  # the seesaw: wg is a constant here
             self.store_o_chunks(acc_o, c, tPsP, wg, tidx, c.seqlen_q - first_row)
         else:
             self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx,
                          c.seqlen_q - first_row)
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.split_kv):
+            pass
+        elif cutlass.const_expr(self.split):
             if wg == 0:
                 store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
         else:
             store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
+
+    @cute.jit
+    def store_partial(self, c: ConsumerOperands, acc_o, lse, tScS, thr_pv, wg: int):
+        """split-KV: warpgroup ``wg``'s O columns (normalised within the split, fp32) straight from the
+        accumulator to the partial O, rows < seqlen_q only, and (warpgroup 0) the rows' LSE to the
+        partial LSE, at batch index split B + b (``c.o_part``). No SMEM: the P buffers are the next
+        unit's, untouched."""
+        gOp, mLSEp, pb = c.o_part
+        first_row = c.m_block * self.tile_m
+        gO_w = cute.local_tile(cute.domain_offset((0, wg * self.o_col1), gOp[None, None, c.m_block]),
+                               (WGMMA_M, self.o_width), (0, 0))
+        store_o_rows(acc_o, thr_pv, gO_w, c.seqlen_q - first_row)
+        if cutlass.const_expr(wg == 0):
+            store_lse(mLSEp, lse, tScS, first_row, c.head, pb, c.seqlen_q)
+        cute.arch.sync_warp()  # reconverged before the next unit's wgmma (ptxas C7519)
+
+    @cute.jit
+    def store_empty_split(self, wg: int, c: ConsumerOperands):
+        """split-KV: a split past its span's tiles has no key: O = 0, LSE = -inf, as the empty-row
+        path gives, so the merge reads every part it is given."""
+        sub = (cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP) % THREADS_PER_WARPGROUP
+        thr_pv = c.pv_mma.get_slice(sub)
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
+        acc_o.fill(0.0)
+        tScS = self.s_coords(wg, c.qk_mma.get_slice(sub))
+        lse = cute.make_rmem_tensor(cute.size(acc_rows_view(tScS), mode=[0]), cutlass.Float32)
+        lse.fill(-cutlass.Float32.inf)
+        self.store_partial(c, acc_o, lse, tScS, thr_pv, wg)
 
     def make_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
         """(QK, PV) tiled MMAs: one warpgroup's (split) or all warpgroups stacked along M.

@@ -61,7 +61,7 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
             kv_start: int = 0, positions: torch.Tensor | None = None,
             cu_seqlens_compressed: torch.Tensor | None = None, out=None, lse_out=None, p_in_smem: bool | None = None,
-            check_indices: bool = True):
+            check_indices: bool = True, num_splits: int | None = 1):
     """Stage D5's attention over the window's keys plus the compressed entries.
 
     ``v`` None: K = V, ``k`` serves as both (DeepSeek-V4's ``kv``). ``compressed_kv``
@@ -86,8 +86,11 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     device synchronisation per call. False (an engine that builds its own lists): the lists are not
     read and cost no synchronisation (a ``cu_seqlens_q`` call still reads its offsets to check
     them), and a fixed-length call is planned like one without lists (common/call_plan.py); the
-    kernel treats any value outside [0, the token's visible entries) as -1. Returns (o, lse), lse
-    over both key sets, without the sink."""
+    kernel treats any value outside [0, the token's visible entries) as -1. ``num_splits``
+    (split-KV decode, common/split_kv.py; sm90, batched tensors, head dim 384 / 512): each Q
+    tile's keys cut over that many CTAs and merged exactly (fp32 parts), for a decode step of few
+    requests, whose Q tiles alone would leave most SMs idle; None chooses (1 where the Q tiles
+    fill half the SMs). Returns (o, lse), lse over both key sets, without the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -99,11 +102,11 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
                                               compressed_kv=compressed_kv, compress_ratio=compress_ratio,
                                               topk_indices=topk_indices, kv_start=kv_start, positions=positions,
                                               cu_seqlens_compressed=cu_seqlens_compressed,
-                                              check_indices=check_indices)
+                                              check_indices=check_indices, num_splits=num_splits)
 
 
 def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax_scale: float | None = None,
-                    out=None, check_indices: bool = True):
+                    out=None, check_indices: bool = True, num_splits: int | None = 1):
     """Index mode: FlashMLA's ``flash_mla_sparse_fwd`` semantics on stage E's kernel. Query token t
     attends to the rows ``indices[t, 0, :topk_length[t]]`` of ``kv`` (-1 = none), its only keys.
 
@@ -115,7 +118,8 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     d_v = 512 split is not served (K = V rows of one head_dim here), and an index is refused unless
     -1 or in [0, rows), as is a topk_length outside [0, k): reading them costs a device
     synchronisation per call. ``check_indices=False`` reads neither (FlashMLA's call checks nothing):
-    the kernel then takes an index outside [0, rows) as -1, and a length past k as k."""
+    the kernel then takes an index outside [0, rows) as -1, and a length past k as k.
+    ``num_splits``: as ``forward``'s (split-KV, for decode steps of few tokens)."""
     for name, t, dim in (("q", q, 3), ("kv", kv, 3), ("indices", indices, 3)):
         if not isinstance(t, torch.Tensor) or t.dim() != dim:
             raise ValueError(f"{name} must be a rank-{dim} torch.Tensor; got "
@@ -145,7 +149,7 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
                                                 None if out is None else out[None], None,
                                                 tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=kv4,
                                                 compress_ratio=1, topk_indices=idx, index_mode=True,
-                                                check_indices=check_indices)
+                                                check_indices=check_indices, num_splits=num_splits)
     return o[0], lse[0].transpose(0, 1)
 
 
