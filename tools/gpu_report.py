@@ -26,6 +26,9 @@ from the tree, replacing the same parts of the same groups, and a group whose fi
 its results ran shows as stale until it runs again (common/report.py). So after a change to one
 stage's kernel, ``--tests stage --stage X`` and ``--tests none --stage X`` bring X's evidence up
 to date without re-running the other stages. Copy the file into docs/results/ and commit it.
+Runs made side by side, one per GPU of one machine (``CUDA_VISIBLE_DEVICES=i``, each its own
+``--out``), each also write their own parts, ``<gpu>-run.json``: ``python -m tools.merge_runs``
+merges them into docs/results/<gpu>.json.
 
 The report is written after the tests and again after each benchmark group, so a call that
 the device's 10-minute limit cuts keeps what finished; ``--deadline-s S`` starts no benchmark
@@ -211,6 +214,9 @@ def main(argv=None) -> int:
     def write(final: bool):
         merged = report.merge(old, new)
         (out_dir / f"{name}.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        # this run's own parts: runs made side by side (one per GPU of a machine, tools/merge_runs.py)
+        # merge into one report
+        (out_dir / f"{name}-run.json").write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
         if final:
             print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")
 
