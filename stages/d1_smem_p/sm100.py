@@ -286,6 +286,9 @@ class FlashAttentionD1Sm100:
         kv_start: cutlass.Int32 = None,
         mPositions: cute.Tensor | None = None,
         mCuSeqlensC: cute.Tensor | None = None,
+        mOPartial: cute.Tensor | None = None,  # split-KV's partial outputs: sm90 only, refused on the
+        mLSEPartial: cute.Tensor | None = None,  # host before a split call reaches this kernel
+        num_splits: cutlass.Int32 = None,
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
