@@ -218,12 +218,14 @@ def _report_section(name: str, rep: dict) -> str:
             if r.get("unchecked_ms"):  # index mode without the host's read of the lists
                 parts.append(f"check_indices=False: {r['unchecked_ms']} ms"
                              + "".join(f", {v:.2f}x {k}" for k, v in r.get("unchecked_ratio_vs", {}).items()))
+            if r.get("unsplit_ms"):  # split-KV decode: the chosen split count against one unit a Q tile
+                parts.append(f"{r['num_splits']} splits; unsplit {r['unsplit_ms']} ms ({r['split_speedup']}x)")
             if r.get("graph_ms"):  # kernels alone, replayed from CUDA graphs (varlen rows)
                 parts.append("graph-replayed ms: " + ", ".join(f"{k} {v}" for k, v in r["graph_ms"].items()))
             ratio = "; ".join(p for p in parts if p)
             gbps = (f"{r['ours_gbps']} / " + ", ".join(f"{v} {k}" for k, v in r.get("peer_gbps", {}).items())
                     if "ours_gbps" in r else "")
-            out.append(f"| {r['stage']} | {r['case']} | {r.get('ours_ms', '')} | {r['ours_tflops']} | "
+            out.append(f"| {r['stage']} | {r['case']} | {r.get('ours_ms', '')} | {r.get('ours_tflops', '')} | "
                        + " | ".join(str(r["peers"].get(p, "")) for p in peers) + f" | {ratio} | {gbps} |")
         notes = sorted({r["note"] for r in rows if r.get("note")})
         out += [""] + [f"- {n}" for n in notes]
@@ -244,8 +246,10 @@ def charts(reports: dict) -> dict:
 
     out = {}
     for name, rep in reports.items():
-        for st in sorted({r["stage"] for r in rep.get("bench", []) if "seqlen" in r}):
-            rows = [r for r in rep["bench"] if r["stage"] == st and "seqlen" in r]
+        # rows with a TFLOP/s figure (split-KV decode rows give times: the results table has them)
+        charted = [r for r in rep.get("bench", []) if "seqlen" in r and "ours_tflops" in r]
+        for st in sorted({r["stage"] for r in charted}):
+            rows = [r for r in charted if r["stage"] == st]
             if len({r["seqlen"] for r in rows}) > 1:
                 stale = "" if report.bench_current(rep, st) else " (STALE)"
                 out[report.RESULTS / f"plot_{st}_{name}.svg"] = attention_chart(
