@@ -212,8 +212,6 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         varlen_request_starts,
     )
 
-    if num_splits is not None and not unsplit:
-        split_kv.check_num_splits(num_splits, True, False, "sm90")  # its type and range, before anything
     splits = [1]  # the call's split count, decided with the architecture (``prepare``)
     parts = [None]  # split-KV: the partial buffers the launch wrote (None: no split launch ran)
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None

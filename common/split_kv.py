@@ -37,8 +37,6 @@ the batch's tiles in order, which keeps every unit's coordinates two divisions f
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 MAX_SPLITS = 64
@@ -107,21 +105,19 @@ def partial_buffers(num_splits: int, o_shape: tuple, lse_shape: tuple, device):
 
 def combine_torch(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                   sink: torch.Tensor | None = None):
-    """``combine`` in torch (fp32): the host tests' form of the merge (on the CPU), and the
-    specification the kernel's merge is tested against."""
+    """``combine`` in torch: the parts folded through ``common/merge.merge_attention`` (the
+    project's exact merge of disjoint key sets, in fp32), then the sink. The CPU's form of the
+    merge and the specification the kernel's merge is tested against."""
+    from dsv4_attention.common.merge import merge_attention
+
     b = o.shape[0]
-    s = o_part.shape[0] // b
-    lp = lse_part.view(s, *lse.shape)  # [S, B, H, Sq]
-    g = lp.amax(0)
-    g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))  # all parts empty: every weight 0
-    w = torch.exp(lp - g)
-    total = w.sum(0)
-    torch.where(total > 0, g + torch.log(total), torch.full_like(g, -math.inf), out=lse)
-    w = w / torch.where(total > 0, total, torch.ones_like(total))
-    if sink is not None:
-        w = w * torch.sigmoid(lse - sink.float()[None, :, None])[None]
-    out = torch.einsum("sbhq,sbqhd->bqhd", w, o_part.view(s, *o.shape))
-    o.copy_(out)
+    acc_o, acc_l = o_part[:b], lse_part[:b]
+    for i in range(1, o_part.shape[0] // b):
+        acc_o, acc_l = merge_attention(acc_o, acc_l, o_part[i * b:(i + 1) * b], lse_part[i * b:(i + 1) * b])
+    if sink is not None:  # O *= sigmoid(LSE - sink[h]); an empty row (LSE = -inf) stays 0
+        acc_o = acc_o * torch.sigmoid(acc_l - sink.float()[None, :, None]).transpose(1, 2)[..., None]
+    o.copy_(acc_o)
+    lse.copy_(acc_l)
     return o, lse
 
 
