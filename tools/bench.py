@@ -311,6 +311,21 @@ def bench_decode(dev) -> list:
     return rows
 
 
+def decode_layer_kwargs(c: dict, mode: str) -> tuple[dict, int]:
+    """(stage E's forward keywords, the keys a row sees at most) for a ``dsv4_layer`` case ``c``
+    run as ``mode``: "dense" (MQA decode over every key, the sink), "hca" (window (127, 0) + every
+    visible entry) or "csa" (window + the case's top-k lists, unchecked)."""
+    kw = {"learnable_sink": c["learnable_sink"]}
+    if mode == "dense":
+        return kw, c["kv"].shape[1]
+    kw.update(compressed_kv=c["compressed_kv"], compress_ratio=c["compress_ratio"], causal=True,
+              window_size=(127, 0))
+    if mode == "csa":
+        kw.update(topk_indices=c["topk_indices"], check_indices=False)
+        return kw, 128 + c["topk_indices"].shape[-1]
+    return kw, 128 + c["compressed_kv"].shape[1]
+
+
 def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
     """Decode of ``b`` requests x 1 token x 128 heads, hd 512 K = V, sink: every one of ``sk`` keys
     (``mode`` dense: MQA decode) or DeepSeek-V4's HCA layer (window (127, 0) + the sk / 128
@@ -321,12 +336,7 @@ def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
     from dsv4_attention.stages import e_fused
 
     c = dsv4_layer(dev, b, 1, sk, None)
-    kw = {"learnable_sink": c["learnable_sink"]}
-    keys = sk
-    if mode == "hca":
-        kw.update(compressed_kv=c["compressed_kv"], compress_ratio=c["compress_ratio"], causal=True,
-                  window_size=(127, 0))
-        keys = 128 + c["compressed_kv"].shape[1]
+    kw, keys = decode_layer_kwargs(c, mode)
     splits = split_kv.auto_splits(b, 1, 128, 1, keys, device_sms())
     ms = {n: graph_ms([lambda n=n: e_fused.forward(c["q"], c["kv"], num_splits=n, **kw)])
           for n in (1, None)}

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from tools.bench import dsv4_layer, graph_ms
+from tools.bench import decode_layer_kwargs, dsv4_layer, graph_ms
 
 
 def main():
@@ -26,10 +26,7 @@ def main():
         for sk in a.sk:
             for b in a.batch:
                 c = dsv4_layer(dev, b, 1, sk, 512 if mode == "csa" else None)
-                kw = {"learnable_sink": c["learnable_sink"]}
-                if mode != "dense":
-                    kw.update(compressed_kv=c["compressed_kv"], compress_ratio=c["compress_ratio"],
-                              topk_indices=c["topk_indices"], causal=True, window_size=(127, 0), check_indices=False)
+                kw, _ = decode_layer_kwargs(c, mode)
                 ref = e_fused.forward(c["q"], c["kv"], **kw)[0].float()
                 out = []
                 for s in a.splits:
