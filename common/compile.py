@@ -50,6 +50,7 @@ class CompileReport:
     warnings: list = dataclasses.field(default_factory=list)
     error: str | None = None
     options: dict = dataclasses.field(default_factory=dict)  # the kernel's compile-time keyword options
+    register_plan: list | None = None  # [(threads, setmaxnreg target), ...] per role; None: setmaxnreg unused
 
     @property
     def ok(self) -> bool:
@@ -136,6 +137,8 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
         rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
         tmem = getattr(kernel, "tmem_columns", None)
         rep.tmem_columns = None if tmem is None else int(tmem)
+        plan = getattr(kernel, "register_plan", None)
+        rep.register_plan = None if plan is None else plan()
 
         with _CaptureStderr() as cap:
             jit.compile_kernel(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, "remarks{ptx}")
@@ -187,12 +190,32 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
+def register_split_error(plan: list | None, registers: int) -> str | None:
+    """None if a setmaxnreg plan fits the CTA it runs in, else what is wrong. A launch gives each
+    thread ``registers`` (ptxas's count); ``setmaxnreg.inc`` takes registers only from the CTA's
+    pool of threads x registers, and a warp whose target the pool cannot meet waits for ever (a
+    hang, no error). So the roles' targets, each a multiple of 8 in [24, 256], must sum to at most
+    the pool. A warpgroup that decreases (its target under ``registers``) releases the rest."""
+    if not plan:
+        return None
+    threads = sum(t for t, _ in plan)
+    for t, r in plan:
+        if t % 128 or r % 8 or not 24 <= r <= 256:
+            return f"role of {t} threads at {r} registers: setmaxnreg takes warpgroups, multiples of 8 in [24, 256]"
+    need, pool = sum(t * r for t, r in plan), threads * registers
+    if need > pool:
+        return (f"setmaxnreg plan {plan} needs {need} registers; the launch gives {threads} threads x "
+                f"{registers} = {pool}: the increasing warps wait for ever")
+    return None
+
+
 def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: int, min_tmem_columns: int = 32,
                          options: dict | None = None, max_spill_bytes: int = 0):
     """Compile and assert the budgets every stage kernel keeps: compile time under
     COMPILE_BUDGET_S (file cache off), spills (stores and loads) at most ``max_spill_bytes``
     (0: none; a stage that allows some says why beside the number), SMEM within SMEM_LIMIT,
-    no ignored setmaxnreg (C7508), no serialized wgmma (C7519), and on sm100 a power-of-two TMEM allocation of at least
+    no ignored setmaxnreg (C7508), a setmaxnreg split the launch's registers hold
+    (``register_split_error``), no serialized wgmma (C7519), and on sm100 a power-of-two TMEM allocation of at least
     ``min_tmem_columns`` and at most 512 columns. Returns the report."""
     rep = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options)
     assert rep.ok, rep.error
@@ -201,6 +224,8 @@ def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: in
     assert rep.spill_store_bytes <= max_spill_bytes and rep.spill_load_bytes <= max_spill_bytes, rep.row()
     assert 0 < rep.smem_bytes <= SMEM_LIMIT, rep.row()
     assert not any("C7508" in w or "C7519" in w for w in rep.warnings), rep.warnings
+    assert register_split_error(rep.register_plan, rep.registers) is None, register_split_error(
+        rep.register_plan, rep.registers)
     if arch == "sm100":
         cols = rep.tmem_columns
         assert cols is not None and min_tmem_columns <= cols <= TMEM_COLUMNS, rep.row()

@@ -42,6 +42,15 @@ REGISTERS = {2: (240, 24), 3: (160, 32)}
 SMEM_ALIGN = 1024  # the 128B swizzle repeats every 8 rows (1 KiB); wgmma descriptors assume it
 
 
+def register_plan(kernel) -> list:
+    """[(threads, setmaxnreg target), ...] of a warp-specialized kernel's roles: its producer
+    warpgroup and its ``num_wg`` consumer warpgroups (a kernel method: ``register_plan = register_plan``).
+    ``setmaxnreg.inc`` waits until the CTA's pool (threads x the registers the launch gave each)
+    holds the target: a plan over the pool hangs every launch (common/compile.register_split_error)."""
+    return [(THREADS_PER_WARPGROUP, kernel.producer_regs),
+            (THREADS_PER_WARPGROUP * kernel.num_wg, kernel.consumer_regs)]
+
+
 def num_k_blocks(head_dim: int) -> int:
     return head_dim // TILE_K
 

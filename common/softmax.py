@@ -97,6 +97,18 @@ def log_sum_exp(row_max: cutlass.Float32, row_sum: cutlass.Float32) -> cutlass.F
     return (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
 
 
+LOG2E = 1.0 / LN2
+
+
+@cute.jit
+def sink_factor(lse: cutlass.Float32, sink: cutlass.Float32) -> cutlass.Float32:
+    """The attention sink's factor on a row's O, sigmoid(LSE - sink) = 1 / (1 + 2^((sink - LSE) log2 e)):
+    a logit in the denominator only. An empty row (LSE = -inf) gets 0. Every architecture's epilogue
+    and the split-KV merge call this one form."""
+    return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp2((sink - lse) * cutlass.Float32(LOG2E),
+                                                                          fastmath=True))
+
+
 # ---------------------------------------------------------------------------------------
 # Online softmax over a sequence of KV tiles (stage C on)
 

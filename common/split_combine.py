@@ -17,6 +17,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.softmax import sink_factor
+
 ROWS_PER_CTA = 4  # one warp a (token, head) row
 
 
@@ -30,21 +32,28 @@ class SplitCombine:
     over the parts with a weight, scales by the sink's sigmoid(LSE - sink[h]) and stores them in
     O's dtype; lane 0 stores the LSE. A row whose parts are all empty gets O = 0, LSE = -inf."""
 
-    def __init__(self, dtype, head_dim: int, *, has_sink: bool = False):
+    def __init__(self, dtype, head_dim: int, *, has_sink: bool = False, pdl: bool = False):
         if head_dim % 128:
             raise ValueError(f"the split merge takes head dims that are multiples of 128; got {head_dim}")
         self.dtype, self.head_dim, self.has_sink = dtype, head_dim, has_sink
+        # programmatic dependent launch: launched while the split kernel runs (it triggers at its
+        # start), the merge waits in griddepcontrol.wait for that grid's end and memory, not the
+        # launch latency after it
+        self.pdl = bool(pdl)
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mSink: cute.Tensor | None, num_splits: cutlass.Int32, stream):
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.kernel(mOp, mLSEp, mO, mLSE, mSink, num_splits, rows).launch(
-            grid=[cute.ceil_div(rows, ROWS_PER_CTA), 1, 1], block=[32 * ROWS_PER_CTA, 1, 1], stream=stream)
+            grid=[cute.ceil_div(rows, ROWS_PER_CTA), 1, 1], block=[32 * ROWS_PER_CTA, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mSink: cute.Tensor | None, num_splits: cutlass.Int32, rows: cutlass.Int32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the split kernel's parts are complete and visible
         tidx = cute.arch.thread_idx()[0]
         lane = tidx % 32
         row = cute.arch.block_idx()[0] * ROWS_PER_CTA + tidx // 32
@@ -66,8 +75,8 @@ class SplitCombine:
             if total > cutlass.Float32(0.0):
                 lse = g_safe + cute.math.log2(total, fastmath=True) / log2e
                 inv = cutlass.Float32(1.0) / total
-            if cutlass.const_expr(self.has_sink):  # O *= sigmoid(LSE - sink) = 1 / (1 + exp(sink - LSE))
-                inv = inv / (cutlass.Float32(1.0) + cute.math.exp2((mSink[h] - lse) * log2e, fastmath=True))
+            if cutlass.const_expr(self.has_sink):
+                inv = inv * sink_factor(lse, mSink[h])
             chunks = self.head_dim // 128
             acc = cute.make_rmem_tensor(4 * chunks, cutlass.Float32)
             acc.fill(0.0)

@@ -72,6 +72,17 @@ def random_bshd(batch, seqlen, heads, head_dim, dtype, device, *, magnitude=1.0,
     return (x * magnitude).to(dtype=dtype, device=device)
 
 
+def random_index_lists(tokens: int, k: int, rows: int, generator, *, pad: float = 0.0) -> torch.Tensor:
+    """[tokens, k] int32 (CPU) index lists as a top-k selector gives them: each token's k distinct
+    rows of ``rows`` (a random permutation's head: no duplicates), then a ``pad`` share set to -1.
+    Needs k <= rows."""
+    if tokens == 0:
+        return torch.zeros(0, k, dtype=torch.int32)
+    idx = torch.stack([torch.randperm(rows, generator=generator)[:k] for _ in range(tokens)]).int()
+    idx[torch.rand(idx.shape, generator=generator) < pad] = -1
+    return idx
+
+
 def fresh_generator(seed: int | None = None) -> torch.Generator:
     """A generator with a fresh seed each call unless one is given; the seed is kept for messages."""
     g = torch.Generator()

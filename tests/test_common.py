@@ -47,6 +47,24 @@ def test_swizzle_acts_on_bytes():
     assert all(swizzle_bytes(a, 3, 4, 3) // 128 == a // 128 for a in range(0, 4096, 16))
 
 
+def test_register_split_error():
+    """The setmaxnreg check (common/compile.py, run by every compile test) passes the library's
+    splits and rejects the split that hung every launch of a 384-thread kernel at 168 registers:
+    producer 64 + 2 x 224 per thread (65,536 > 64,512), and a target that is not a multiple of 8."""
+    from dsv4_attention.common.compile import register_split_error
+    from dsv4_attention.common.sm90_gemm import REGISTERS
+
+    for wg, (consumer, producer) in REGISTERS.items():
+        threads = 128 * (1 + wg)
+        entry = 65536 // threads // 8 * 8
+        assert register_split_error([(128, producer), (128 * wg, consumer)], entry) is None
+    assert register_split_error([(128, 56), (256, 224)], 168) is None  # the gathering producer's split
+    assert register_split_error([(128, 72), (256, 216)], 168) is None
+    assert "wait for ever" in register_split_error([(128, 64), (256, 224)], 168)
+    assert "multiples of 8" in register_split_error([(128, 60), (256, 224)], 168)
+    assert register_split_error(None, 168) is None
+
+
 def test_report_staleness(tmp_path):
     (tmp_path / "common").mkdir()
     (tmp_path / "stages").mkdir()

@@ -16,7 +16,8 @@ import torch
 from cutlass import Float32, Int32
 
 from dsv4_attention.common.compile import assert_within_budget
-from dsv4_attention.stages.d5_sink_merge.sm100 import LOG2E, FlashAttentionD5Sm100
+from dsv4_attention.common.softmax import sink_factor
+from dsv4_attention.stages.d5_sink_merge.sm100 import FlashAttentionD5Sm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_d5]
 
@@ -26,8 +27,7 @@ class HeadFromTokenSm100(FlashAttentionD5Sm100):
 
     @cute.jit
     def row_scale(self, inv_row_sum, lse, mSink, q_row, h):
-        x = (mSink[h * self.pack_group + q_row // self.pack_group] - lse) * Float32(LOG2E)
-        return inv_row_sum / (Float32(1.0) + cute.math.exp2(x, fastmath=True))
+        return inv_row_sum * sink_factor(lse, mSink[h * self.pack_group + q_row // self.pack_group])
 
 
 def heads_read(kernel, kv_heads: int, rows: int) -> torch.Tensor:

@@ -42,7 +42,8 @@ TOKENS = 3  # query tokens: with g = 1 part of one tile, with g = 128 three tile
 
 
 def kernel_class(wrong: str | None):
-    from dsv4_attention.stages.d5_sink_merge.sm90 import LOG2E, FlashAttentionD5Sm90
+    from dsv4_attention.common.softmax import sink_factor
+    from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
 
     if wrong is None:
         return FlashAttentionD5Sm90
@@ -57,8 +58,7 @@ def kernel_class(wrong: str | None):
             for i in cutlass.range_constexpr(cute.size(inv_sum)):
                 r = m_block * self.tile_m + rows_c[i, 0][0]
                 q_head = head * g + r // g if cutlass.const_expr(wrong == "token") else head
-                x = (mSink[q_head % mSink.shape[0]] - lse[i]) * Float32(LOG2E)
-                inv_sum[i] = inv_sum[i] / (Float32(1.0) + cute.math.exp2(x, fastmath=True))
+                inv_sum[i] = inv_sum[i] * sink_factor(lse[i], mSink[q_head % mSink.shape[0]])
 
     return WrongHead
 

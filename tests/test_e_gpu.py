@@ -27,6 +27,7 @@ from dsv4_attention.common.testing import (
     fresh_generator,
     gpu_arch_params,
     random_bshd,
+    random_index_lists,
     run_compute_sanitizer,
     varlen_inputs,
 )
@@ -191,10 +192,7 @@ def test_bad_positions_are_refused_before_launch(arch):
 def topk_lists(batch, seqlen_q, k, n_c, g, pad=0.2):
     """[batch, seqlen_q, k] int32 distinct entries per token (a random permutation's head, so no
     duplicates), some not yet visible, a share -1."""
-    idx = torch.stack([torch.stack([torch.randperm(n_c, generator=g)[:k] for _ in range(seqlen_q)])
-                       for _ in range(batch)]).int()
-    idx[torch.rand(idx.shape, generator=g) < pad] = -1
-    return idx.cuda()
+    return torch.stack([random_index_lists(seqlen_q, k, n_c, g, pad=pad) for _ in range(batch)]).cuda()
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
@@ -361,8 +359,7 @@ def test_index_mode_is_the_spec_function(arch, heads, k, record_errors):
     g = fresh_generator()
     q = random_bshd(1, T, heads, 512, torch.bfloat16, "cuda", generator=g)[0]
     kv = random_bshd(1, N, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
-    idx = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)]).int()
-    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
+    idx = random_index_lists(T, k, N, g, pad=0.1)
     length = torch.randint(0, k + 1, (T,), generator=g).int()
     length[:3] = torch.tensor([0, k, 1])
     s = sink(heads, g)
@@ -431,10 +428,9 @@ def request_lists(q_lens, counts, k, g, pad=0.2):
     ``counts[r]``."""
     lists = []
     for n, c in zip(q_lens, counts, strict=True):
-        idx = torch.stack([torch.randperm(max(c, k), generator=g)[:k] for _ in range(n)]) if n else \
-            torch.zeros(0, k, dtype=torch.long)
-        idx[(idx >= c) | (torch.rand(idx.shape, generator=g) < pad)] = -1
-        lists.append(idx.int())
+        idx = random_index_lists(n, k, max(c, k), g, pad=pad)
+        idx[idx >= c] = -1
+        lists.append(idx)
     return torch.cat(lists).cuda()
 
 

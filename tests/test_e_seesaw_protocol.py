@@ -6,9 +6,8 @@ over without a race (tests/seesaw_protocol.py says how)."""
 import cutlass
 import pytest
 from plain_jit import plain
-from seesaw_protocol import make_seesaw, protocol_tests
+from seesaw_protocol import _Span, make_seesaw, protocol_tests
 
-from dsv4_attention.common.kv_span import KvSpan
 from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
 
 pytestmark = [pytest.mark.stage_e, pytest.mark.proof, pytest.mark.arch("sm90")]
@@ -33,13 +32,12 @@ test_every_interleaving_finishes_and_frees_only_read_halves, test_checker_reject
 CSA_TILES = ([(2, 1), (3, 1), (2, 2)], [(3, 2), (1, 1), (3, 3)], [(2, 3)] * 3, [(1, 2), (3, 1)] * 2)
 
 
-class _Span:
-    """A fused span's tile counts; its visit order is the kernel's own (``KvSpan.visit_tile``)."""
-    n_end = None
-    visit_tile = KvSpan.visit_tile
+class _FusedSpan(_Span):
+    """A fused span: D1's stand-in with its count of gathered (compressed) tiles first."""
 
     def __init__(self, n_cmp, n_tiles):
-        self.n_cmp, self.n_tiles = n_cmp, n_tiles
+        super().__init__(n_tiles)
+        self.n_cmp = n_cmp
 
 
 class _WaitRecorder:
@@ -67,7 +65,7 @@ def producer_waits(kernel, tiles, warp, monkeypatch, load_kv=None) -> list:
     t0 = 0
     for it, (window, gathered) in enumerate(tiles):
         n = window + gathered
-        srcs = (_Span(gathered, n), None, None, None, None, None, (None, None, warp))
+        srcs = (_FusedSpan(gathered, n), None, None, None, None, None, (None, None, warp))
         plain(type(k).load_pairs)(k, ring, n, srcs, None, warp, t0, it, None)
         t0 += n
     return ring.waits

@@ -191,7 +191,7 @@ def test_bad_split_requests_are_refused():
 def test_split_kernel_compiles(mode):
     """The split kernels (sm90) in the compile budget, without spills or serialized wgmma (the
     default kernels' SASS is unchanged by the split path: docs/stages/e_fused.md)."""
-    from dsv4_attention.common.compile import COMPILE_BUDGET_S, compile_report
+    from dsv4_attention.common.compile import COMPILE_BUDGET_S, compile_report, register_split_error
 
     options = {"kv_shared": True, "pack_group": 64, "has_compressed": True, "split_kv": True}
     if mode == "hca":
@@ -205,20 +205,26 @@ def test_split_kernel_compiles(mode):
     assert r.seconds < COMPILE_BUDGET_S, r.row()
     assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.row()
     assert not r.warnings, r.row()
+    assert register_split_error(r.register_plan, r.registers) is None, r.register_plan
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
-def test_combine_kernel_compiles(arch):
+def test_combine_kernel_compiles(arch, tmp_path):
     """The merge kernel (``SplitCombine``) compiles for either architecture on the host, with and
-    without the sink; what it emits per lane: 16 fp32 loads a part, 16 stores, the LSE's store."""
+    without the sink, launched after the split kernel or dependent on it (PDL): the dependent form
+    waits on the grid dependency first (``griddepcontrol.wait`` in its PTX), the other has no wait."""
     from dsv4_attention.common import jit
     from dsv4_attention.common.split_combine import SplitCombine
 
-    for has_sink in (False, True):
+    for has_sink, pdl in ((False, True), (True, True), (True, False)):
         args = [torch.empty(4, 1, 128, 512), torch.empty(4, 128, 1), torch.empty(2, 1, 128, 512, dtype=torch.bfloat16),
                 torch.empty(2, 128, 1), torch.empty(128) if has_sink else None, 2, jit.STREAM]
-        jit.compile_kernel(SplitCombine(jit.cutlass_dtype(torch.bfloat16), 512, has_sink=has_sink), args, arch)
+        dump = tmp_path / f"sink{has_sink}_pdl{pdl}"
+        dump.mkdir()
+        ptx = jit.compile_ptx(SplitCombine(jit.cutlass_dtype(torch.bfloat16), 512, has_sink=has_sink, pdl=pdl),
+                              args, arch, dump)
+        assert ("griddepcontrol.wait" in ptx) == pdl
     with pytest.raises(ValueError, match="multiples of 128"):
         SplitCombine(jit.cutlass_dtype(torch.bfloat16), 320)
 
@@ -233,6 +239,7 @@ from dsv4_attention.common.testing import (  # noqa: E402 - the GPU half of the 
     fresh_generator,
     gpu_arch_params,
     random_bshd,
+    random_index_lists,
 )
 from dsv4_attention.stages import e_fused as stage  # noqa: E402
 
@@ -255,9 +262,7 @@ def decode_case(mode, batch, sq, heads, g, keys=1500):
                     compress_ratio=128)
     elif mode == "csa":
         n_c = keys // 4
-        idx = torch.stack([torch.stack([torch.randperm(n_c, generator=g)[:200] for _ in range(sq)])
-                           for _ in range(batch)]).int()
-        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        idx = torch.stack([random_index_lists(sq, 200, n_c, g, pad=0.2) for _ in range(batch)])
         opts.update(compressed_kv=random_bshd(batch, n_c, 1, 512, torch.bfloat16, dev, generator=g),
                     compress_ratio=4, topk_indices=idx.to(dev))
     return q, kv, opts
@@ -266,8 +271,7 @@ def decode_case(mode, batch, sq, heads, g, keys=1500):
 def index_case(tokens, heads, g, k=300, rows=900):
     q = random_bshd(1, tokens, heads, 512, torch.bfloat16, "cuda", generator=g)[0]
     kv = random_bshd(1, rows, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
-    idx = torch.stack([torch.randperm(rows, generator=g)[:k] for _ in range(tokens)]).int()
-    idx[torch.rand(idx.shape, generator=g) < 0.1] = -1
+    idx = random_index_lists(tokens, k, rows, g, pad=0.1)
     idx[0] = -1  # a token with no key: O = 0, LSE = -inf through the merge
     return q, kv, idx[:, None].cuda(), (torch.randn(heads, generator=g) * 2).cuda()
 

@@ -201,6 +201,15 @@ class FlashAttentionSm100:
         self.tmem_columns = None
         self.kv_stages = None
 
+    def register_plan(self) -> list | None:
+        """[(threads, setmaxnreg target), ...] per role with two Q tiles (None: setmaxnreg unused):
+        the softmax warps, the correction warps, and every other warp (TMA, MMA, idle)."""
+        if not self.rebalance_registers:
+            return None
+        softmax, correction = 32 * len(self.softmax_warps), 32 * len(self.correction_warps)
+        return [(softmax, REGS_SOFTMAX), (correction, REGS_CORRECTION),
+                (self.threads_per_cta - softmax - correction, REGS_OTHER)]
+
     # /////////////////////////////////////////////////////////////////////////////////////
     #  host: layouts, TMA atoms, launch
     # /////////////////////////////////////////////////////////////////////////////////////

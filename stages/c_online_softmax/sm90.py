@@ -100,6 +100,7 @@ from dsv4_attention.common.sm90_gemm import (
     make_tile_smem_layout_mn,
     make_tiled_mma,
     make_tma_tile_atom,
+    register_plan,
     tile_tma_partition,
 )
 from dsv4_attention.common.sm90_producer import load_q_k_v
@@ -113,6 +114,8 @@ DEFAULT_TILES = {64: (192, 128), 128: (128, 128), 256: (128, 80)}
 
 class FlashAttentionSm90:
     arch = "sm_90a"
+
+    register_plan = register_plan  # the setmaxnreg split, checked against the launch (common/compile.py)
 
     def __init__(
         self,

@@ -160,6 +160,7 @@ from dsv4_attention.common.sm90_gemm import (
     make_tile_smem_layout_mn,
     make_tiled_mma,
     make_tma_tile_atom,
+    register_plan,
     tile_tma_partition,
 )
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_views
@@ -284,6 +285,8 @@ def smem_buffer(dtype, elems: int, used: bool):
 
 class FlashAttentionD1Sm90:
     arch = "sm_90a"
+
+    register_plan = register_plan  # the setmaxnreg split, checked against the launch (common/compile.py)
 
     def __init__(
         self,
@@ -593,6 +596,11 @@ class FlashAttentionD1Sm90:
         atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c)
         layouts = (sQ_layout, sKV_layout, sVt_layout, sP_layout)
         mmas = (qk_mma, pv_mma, pv_own_mma)
+        if cutlass.const_expr(self.split_kv):
+            # the merge (common/split_combine.py) is launched programmatically dependent (PDL): let it
+            # launch now, so its CTAs take SMs as ours leave; its griddepcontrol.wait still waits for
+            # this whole grid and its memory (the partial O and LSE)
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.persistent):
             self.run_tiles(warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles)
         else:
@@ -1277,20 +1285,19 @@ class FlashAttentionD1Sm90:
         self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
         scale_rows(acc_o, inv_sum)
         first_row = c.m_block * self.tile_m
-        if cutlass.const_expr(self.split_kv):  # a split's part: O in fp32 and LSE, no sink (the host's merge)
+        if cutlass.const_expr(self.split_kv):  # a split's part: O in fp32 and its LSE, no sink (the merge's)
             self.store_partial(c, acc_o, softmax.lse, tScS, thr_pv, wg)
-        elif cutlass.const_expr(self.persistent):  # the seesaw: wg is a constant here
-            self.store_o_chunks(acc_o, c, tPsP, wg, tidx, c.seqlen_q - first_row)
         else:
-            self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx,
-                         c.seqlen_q - first_row)
-        if cutlass.const_expr(self.split_kv):
-            pass
-        elif cutlass.const_expr(self.split):
-            if wg == 0:
+            if cutlass.const_expr(self.persistent):  # the seesaw: wg is a constant here
+                self.store_o_chunks(acc_o, c, tPsP, wg, tidx, c.seqlen_q - first_row)
+            else:
+                self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx,
+                             c.seqlen_q - first_row)
+            if cutlass.const_expr(self.split):  # both warpgroups hold the same rows' LSE
+                if wg == 0:
+                    store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
+            else:
                 store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
-        else:
-            store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
 
     @cute.jit
     def store_partial(self, c: ConsumerOperands, acc_o, lse, tScS, thr_pv, wg: int):

@@ -11,9 +11,8 @@ h * g + r % g (D2's map; g = 1 unpacked, where h is the query head).
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.softmax import sink_factor
 from dsv4_attention.stages.d4_causal_window.sm100 import FlashAttentionD4Sm100
-
-LOG2E = 1.4426950408889634
 
 
 class FlashAttentionD5Sm100(FlashAttentionD4Sm100):
@@ -24,6 +23,5 @@ class FlashAttentionD5Sm100(FlashAttentionD4Sm100):
     @cute.jit
     def row_scale(self, inv_row_sum, lse, mSink, q_row, h):
         if cutlass.const_expr(self.has_sink):
-            x = (mSink[h * self.pack_group + q_row % self.pack_group] - lse) * cutlass.Float32(LOG2E)
-            inv_row_sum = inv_row_sum / (cutlass.Float32(1.0) + cute.math.exp2(x, fastmath=True))
+            inv_row_sum = inv_row_sum * sink_factor(lse, mSink[h * self.pack_group + q_row % self.pack_group])
         return inv_row_sum

@@ -17,10 +17,8 @@ head * g + r % g (D2's map: g heads per token; g = 1 unpacked, where head is the
 import cutlass
 import cutlass.cute as cute
 
-from dsv4_attention.common.softmax import acc_rows_view
+from dsv4_attention.common.softmax import acc_rows_view, sink_factor
 from dsv4_attention.stages.d4_causal_window.sm90 import FlashAttentionD4Sm90
-
-LOG2E = 1.4426950408889634
 
 
 class FlashAttentionD5Sm90(FlashAttentionD4Sm90):
@@ -35,5 +33,4 @@ class FlashAttentionD5Sm90(FlashAttentionD4Sm90):
             g = self.pack_group
             for i in cutlass.range_constexpr(cute.size(inv_sum)):
                 r = m_block * self.tile_m + rows_c[i, 0][0]
-                x = (mSink[head * g + r % g] - lse[i]) * cutlass.Float32(LOG2E)
-                inv_sum[i] = inv_sum[i] / (cutlass.Float32(1.0) + cute.math.exp2(x, fastmath=True))
+                inv_sum[i] = inv_sum[i] * sink_factor(lse[i], mSink[head * g + r % g])
