@@ -32,28 +32,21 @@ class SplitCombine:
     over the parts with a weight, scales by the sink's sigmoid(LSE - sink[h]) and stores them in
     O's dtype; lane 0 stores the LSE. A row whose parts are all empty gets O = 0, LSE = -inf."""
 
-    def __init__(self, dtype, head_dim: int, *, has_sink: bool = False, pdl: bool = False):
+    def __init__(self, dtype, head_dim: int, *, has_sink: bool = False):
         if head_dim % 128:
             raise ValueError(f"the split merge takes head dims that are multiples of 128; got {head_dim}")
         self.dtype, self.head_dim, self.has_sink = dtype, head_dim, has_sink
-        # programmatic dependent launch: launched while the split kernel runs (it triggers at its
-        # start), the merge waits in griddepcontrol.wait for that grid's end and memory, not the
-        # launch latency after it
-        self.pdl = bool(pdl)
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mSink: cute.Tensor | None, num_splits: cutlass.Int32, stream):
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.kernel(mOp, mLSEp, mO, mLSE, mSink, num_splits, rows).launch(
-            grid=[cute.ceil_div(rows, ROWS_PER_CTA), 1, 1], block=[32 * ROWS_PER_CTA, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            grid=[cute.ceil_div(rows, ROWS_PER_CTA), 1, 1], block=[32 * ROWS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                mSink: cute.Tensor | None, num_splits: cutlass.Int32, rows: cutlass.Int32):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the split kernel's parts are complete and visible
         tidx = cute.arch.thread_idx()[0]
         lane = tidx % 32
         row = cute.arch.block_idx()[0] * ROWS_PER_CTA + tidx // 32

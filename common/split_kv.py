@@ -134,18 +134,13 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: 
     from dsv4_attention.common.arch import arch_of_device
 
     s = o_part.shape[0] // o.shape[0]
-    options = {"has_sink": sink is not None, "pdl": PDL}
+    options = {"has_sink": sink is not None}
     args = [o_part, lse_part, o, lse, sink, s, jit.STREAM]
     fn = jit.stage_kernel("split_combine", COMBINE_KERNELS, arch_of_device(o.device), o.dtype, o.shape[3], args,
                           options)
     fn(*jit.call_args(args))
     return o, lse
 
-
-#: launch the merge programmatically dependent on the split kernel (PDL, sm90 and later): its
-#: launch overlaps the split kernel's tail. False launches it after the split kernel ends (the A/B
-#: of ``tools/split_sweep.py --pdl-ab``)
-PDL = True
 
 #: the merge kernel (common/split_combine.py), architecture-neutral: plain loads and stores
 COMBINE_KERNELS = {"sm90": "dsv4_attention.common.split_combine:SplitCombine",

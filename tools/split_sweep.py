@@ -1,9 +1,7 @@
 """Split-KV decode: the kernels' time, CUDA-graph replayed, for explicit split counts (the data
 behind ``common/split_kv.choose_splits``): DeepSeek-V4's layers (window + HCA entries or CSA
 top-512) and dense MQA decode (128 heads on one K = V head, every key visible), one token per
-request. ``python -m tools.split_sweep [--modes hca csa dense] [--splits 1 2 4] [--sk 65536]``.
-``--pdl-ab`` times each split count twice, the merge launched after the split kernel and dependent
-on it (``split_kv.PDL``), alternating, and prints both."""
+request. ``python -m tools.split_sweep [--modes hca csa dense] [--splits 1 2 4] [--sk 65536]``."""
 
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ def main():
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 5, 8])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--sk", type=int, nargs="+", default=[65536])
-    ap.add_argument("--pdl-ab", action="store_true")
     a = ap.parse_args()
-    from dsv4_attention.common import split_kv
     from dsv4_attention.stages import e_fused
-
-    pdl_modes = (False, True, False, True) if a.pdl_ab else (split_kv.PDL,)
 
     dev = torch.device("cuda")
     for mode in a.modes:
@@ -36,15 +30,11 @@ def main():
                 ref = e_fused.forward(c["q"], c["kv"], **kw)[0].float()
                 out = []
                 for s in a.splits:
-                    for pdl in pdl_modes if s > 1 else (split_kv.PDL,):
-                        split_kv.PDL = pdl
-                        o = e_fused.forward(c["q"], c["kv"], num_splits=s, **kw)[0].float()
-                        diff = (o - ref).abs().max().item()
-                        ms = graph_ms([lambda s=s, c=c, kw=kw: e_fused.forward(c["q"], c["kv"], num_splits=s, **kw)],
-                                      per_graph=16)
-                        tag = f" pdl={int(pdl)}" if a.pdl_ab and s > 1 else ""
-                        out.append(f"S={s}{tag}: {ms * 1e3:.1f} us ({diff:.2g})")
-                    split_kv.PDL = True
+                    o = e_fused.forward(c["q"], c["kv"], num_splits=s, **kw)[0].float()
+                    diff = (o - ref).abs().max().item()
+                    ms = graph_ms([lambda s=s, c=c, kw=kw: e_fused.forward(c["q"], c["kv"], num_splits=s, **kw)],
+                                  per_graph=16)
+                    out.append(f"S={s}: {ms * 1e3:.1f} us ({diff:.2g})")
                 print(f"{mode} b{b} sk{sk}: " + ", ".join(out), flush=True)
                 del c
                 torch.cuda.empty_cache()

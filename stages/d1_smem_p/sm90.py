@@ -596,11 +596,6 @@ class FlashAttentionD1Sm90:
         atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c)
         layouts = (sQ_layout, sKV_layout, sVt_layout, sP_layout)
         mmas = (qk_mma, pv_mma, pv_own_mma)
-        if cutlass.const_expr(self.split_kv):
-            # the merge (common/split_combine.py) is launched programmatically dependent (PDL): let it
-            # launch now, so its CTAs take SMs as ours leave; its griddepcontrol.wait still waits for
-            # this whole grid and its memory (the partial O and LSE)
-            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.persistent):
             self.run_tiles(warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles)
         else:
