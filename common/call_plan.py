@@ -17,6 +17,12 @@ the caller gave them (:func:`entry_key`), so a repeated call skips the layers be
 and the kernel (the stage's keyword passing, the option normalisation, the signature above):
 the plan its first call recorded or replayed is filed under that key as well (:func:`entry_run`).
 
+A split-KV call (common/split_kv.py: ``num_splits`` other than 1) is planned as a
+:class:`SplitPlan`: the kernel's plan, whose fp32 partial buffers are two more slots that each
+call allocates afresh, then the merge (with the sink). Its split count, chosen once per
+signature where ``num_splits`` is None, is kept in the plan; :func:`last_splits` says what the
+current thread's last call ran with.
+
 What is never planned: a call whose validation reads tensor *values* (per-request lengths,
 variable-length offsets, top-k lists: their bounds are checked on every call), a call with no
 key (decided on the host, no launch), and any argument list holding a tensor that is not one
@@ -83,6 +89,31 @@ class Plan:
         return o, lse
 
 
+#: a split call's extra tensors: the stage's plan tensors (the sink first), padded to this many, then
+#: the partial O and LSE buffers (``SplitPlan``)
+SPLIT_EXTRA = 3
+
+
+class SplitPlan:
+    """A split-KV call's plan: ``inner`` (the kernel's :class:`Plan`, the partial buffers in its
+    extra slots ``SPLIT_EXTRA`` and ``SPLIT_EXTRA + 1``) run on fresh partial buffers, then their
+    merge into O and LSE with the sink (extra tensor 0), as the full path does."""
+
+    __slots__ = ("inner", "splits")
+
+    def __init__(self, inner: Plan, splits: int):
+        self.inner, self.splits = inner, splits
+
+    def __call__(self, q, k, v, out, lse_out, extra):
+        from dsv4_attention.common import split_kv
+
+        b, sq, h, _ = q.shape
+        o_part, lse_part = split_kv.partial_buffers(self.splits, tuple(q.shape), (b, h, sq), q.device)
+        extra = (*extra, *(None,) * (SPLIT_EXTRA - len(extra)), o_part, lse_part)
+        o, lse = self.inner(q, k, v, out, lse_out, extra)
+        return split_kv.combine(o_part, lse_part, o, lse, extra[0])
+
+
 def key_of(stage_id: str, q, k, v, softmax_scale, out, lse_out, plan, extra: tuple):
     """A call's signature (``plan``: the caller's options, already ``typed``), or None where one
     cannot be formed (an input that is not a tensor, an unhashable option: the call's checks
@@ -104,12 +135,14 @@ def lookup(stage_id: str, q, k, v, softmax_scale, out, lse_out, plan, extra: tup
     if planned is None or not aligned(q, k, v, out, *extra):
         return key, None
     _last.plan = planned
+    _last.splits = getattr(planned, "splits", 1)
     return key, planned(q, k, v, out, lse_out, extra)
 
 
 def record(key, fn, args: list, extra: tuple) -> None:
     """Keep the plan of a call that launched ``fn`` on ``args`` (jit's list: q, k, v, o, lse, then
     the rest), unless an argument is a tensor that is not one of the call's ``extra`` tensors."""
+    _last.splits = 1
     if key is None:
         return
     tail, slots = [], []
@@ -124,6 +157,28 @@ def record(key, fn, args: list, extra: tuple) -> None:
     if len(_PLANS) >= LIMIT:
         _PLANS.clear()
     _PLANS[key] = _last.plan = Plan(fn, tail, tuple(slots), tuple(args[4].shape), args[0].device)
+
+
+def record_split(key, splits: int) -> None:
+    """A split call's full path ran: the plan its kernel launch recorded under ``key`` (its partial
+    buffers in the extra slots ``SPLIT_EXTRA`` ..) becomes a :class:`SplitPlan`; the thread's last
+    call ran ``splits`` units a Q tile either way."""
+    _last.splits = splits
+    inner = None if key is None else _PLANS.get(key)
+    if isinstance(inner, Plan):
+        _PLANS[key] = _last.plan = SplitPlan(inner, splits)
+
+
+def note_splits(splits: int | None) -> None:
+    _last.splits = splits
+
+
+def last_splits() -> int | None:
+    """The split count (common/split_kv.py) the current thread's last attention call ran with: 1
+    unsplit, S > 1 where each Q tile's keys went over S units and were merged (what
+    ``num_splits=None`` chose). None before any call, and after one that launched nothing (no
+    key at all)."""
+    return getattr(_last, "splits", None)
 
 
 def entry_key(q, k, v, a, b, c, d, scalars: tuple, window):
@@ -160,6 +215,7 @@ def entry_call(key, q, k, v, out, lse_out, extra: tuple):
             bits |= t.data_ptr()
     if bits & 15:
         return None
+    _last.splits = getattr(planned, "splits", 1)
     return planned(q, k, v, out, lse_out, extra)
 
 

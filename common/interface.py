@@ -182,21 +182,22 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     of the persistent seesaw (sm90, K = V at head dim 384 / 512, batched tensors) and merges their
     fp32 partial results on the device, the sink applied there; None chooses S from the shapes
     (``split_kv.choose_splits``: 1 where the Q tiles already fill half the SMs). A split call is
-    validated every time (never planned). An option
+    planned like an unsplit one (``call_plan.SplitPlan``: its count chosen once per signature,
+    fresh partial buffers each call; ``call_plan.last_splits`` reports the count). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     plan = plan_key = None
     # a call whose checks read tensor values (lengths, lists, positions) is validated every time
-    plan_tensors = (learnable_sink, compressed_kv, topk_indices)
-    unsplit = num_splits.__class__ is int and num_splits == 1
-    if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None \
-            and unsplit:
+    # (a split call's partial buffers are appended once allocated: its plan's slots SPLIT_EXTRA ..)
+    plan_tensors = [learnable_sink, compressed_kv, topk_indices]
+    if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None:
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode,
-                               check_indices)
+                               check_indices, num_splits)
         plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
         if done is not None:
             return done
+    call_plan.note_splits(None)  # until this call launches (a call with no key launches nothing)
     from dsv4_attention.common import split_kv
     from dsv4_attention.common.pack_heads import pack_group
     from dsv4_attention.common.validation import (
@@ -298,6 +299,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
             return None
         o_shape, lse_shape = tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1])
         parts[0] = split_kv.partial_buffers(splits[0], o_shape, lse_shape, q.device)
+        plan_tensors.extend(parts[0])  # slots of the plan, allocated afresh by each planned call
         return (*parts[0], splits[0])
 
     def merged(o, lse):
@@ -306,16 +308,16 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         return o, lse
 
     if not varlen:
-        return merged(*attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
-                                         options=options, options_for=prepare, plan=plan, plan_key=plan_key,
-                                         plan_tensors=plan_tensors,
-                                         extra_args=lambda: mask_args(seqused_k, left, right,
-                                                                      learnable_sink=kernel_sink(),
-                                                                      compressed_kv=entries[0],
-                                                                      compress_ratio=entries[1],
-                                                                      topk_indices=entries[2], kv_start=kv_start,
-                                                                      positions=position_rows[0],
-                                                                      partials=partials(q))))
+        result = attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
+                                   options=options, options_for=prepare, plan=plan, plan_key=plan_key,
+                                   plan_tensors=plan_tensors,
+                                   extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=kernel_sink(),
+                                                                compressed_kv=entries[0], compress_ratio=entries[1],
+                                                                topk_indices=entries[2], kv_start=kv_start,
+                                                                positions=position_rows[0], partials=partials(q)))
+        if parts[0] is not None:  # the kernel's plan (if any) becomes the split call's
+            call_plan.record_split(plan_key, splits[0])
+        return merged(*result)
     # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
     # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -80,17 +80,18 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     synchronisation per call; the kernel then treats a value outside the visible entries as -1).
     ``num_splits`` (split-KV decode, sm90, K = V at head dim 384 / 512, batched tensors): each Q
     tile's keys cut over that many CTAs and merged exactly; None chooses (for a decode step of few
-    requests over long spans: dense decode at 64k keys, batch 1, 16x faster on the H100). Returns (o like q,
+    requests over long spans: dense decode at 64k keys, batch 1, 16x faster on the H100); the count a
+    call ran with: ``dsv4_attention.common.call_plan.last_splits()``. Returns (o like q,
     lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row with no visible key has
     O = 0 and LSE = -inf).
     """
     key = None
     if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None and \
-            positions is None and num_splits.__class__ is int and num_splits == 1:
+            positions is None:
         # validated once per signature (common/call_plan.py): a repeated one goes to its kernel
         key = call_plan.entry_key(q, k, v, compressed_kv, learnable_sink, out, lse_out,
                                   (softmax_scale, causal, compress_ratio, pack_gqa, max_seqlen_q, max_seqlen_k,
-                                   kv_start),
+                                   kv_start, num_splits),
                                   window_size)
         if key is not None:
             # extra: the final stage's plan tensors, in masked_attention_forward's order

@@ -10,7 +10,8 @@ One op per stage, named ``dsv4_attention::<id>_<name>``. The attention stages sh
     (q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None,
      seqused_k=None, pack_gqa=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
      max_seqlen_k=None, learnable_sink=None, compressed_kv=None, compress_ratio=None,
-     topk_indices=None, kv_start=None, positions=None, cu_seqlens_compressed=None) -> (o, lse)
+     topk_indices=None, kv_start=None, positions=None, cu_seqlens_compressed=None,
+     check_indices=True, num_splits=1) -> (o, lse)
 
 (a window is two optional ints, as a schema cannot hold a tuple with None); an argument a stage
 does not take must keep its default (ValueError otherwise, from the op as from ``forward``).
@@ -36,11 +37,12 @@ TAKES = {s.id: frozenset(inspect.signature(s.forward).parameters) for s in stage
 def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                   learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
-                  kv_start=None, positions=None, cu_seqlens_compressed=None, check_indices=True) -> dict:
+                  kv_start=None, positions=None, cu_seqlens_compressed=None, check_indices=True,
+                  num_splits=1) -> dict:
     """The forward keyword arguments of ``stage`` for the op's arguments (those it takes)."""
     takes = TAKES[stage.id]
     given = {"softmax_scale": softmax_scale, "causal": causal, "seqused_k": seqused_k, "pack_gqa": pack_gqa,
-             "check_indices": check_indices}
+             "check_indices": check_indices, "num_splits": num_splits}
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                         ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
                         ("learnable_sink", learnable_sink), ("compressed_kv", compressed_kv),
@@ -52,10 +54,10 @@ def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, sequs
         given["window_size"] = (window_left, window_right)
     kwargs = {}
     for name, value in given.items():
-        default = {"causal": False, "check_indices": True}.get(name)
+        default = {"causal": False, "check_indices": True, "num_splits": 1}.get(name)
         if name in takes:
             kwargs[name] = value
-        elif value is not default:
+        elif value is not default and not (name == "num_splits" and value == default):
             raise ValueError(f"stage {stage.id} does not take {name} (got {value!r}); stages that do: "
                              f"{[s.id for s in stages.STAGES if name in TAKES[s.id]]}")
     return kwargs
@@ -74,11 +76,11 @@ def _register_attention(stage):
            compress_ratio: int | None = None, topk_indices: torch.Tensor | None = None,
            kv_start: int | None = None, positions: torch.Tensor | None = None,
            cu_seqlens_compressed: torch.Tensor | None = None,
-           check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           check_indices: bool = True, num_splits: int | None = 1) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, learnable_sink, compressed_kv,
                                compress_ratio, topk_indices, kv_start, positions, cu_seqlens_compressed,
-                               check_indices)
+                               check_indices, num_splits)
         o, lse = stage.forward(q, k, v, **kwargs)
         return o, lse
 
@@ -86,7 +88,7 @@ def _register_attention(stage):
     def _(q, k, v, softmax_scale=None, causal=False, window_left=None, window_right=None, seqused_k=None,
           pack_gqa=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
           learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=None,
-          positions=None, cu_seqlens_compressed=None, check_indices=True):
+          positions=None, cu_seqlens_compressed=None, check_indices=True, num_splits=1):
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
         if cu_seqlens_q is not None:  # varlen: q [total_q, heads, d], lse [heads, total_q]
             return o, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -116,17 +118,18 @@ for _stage in stages.STAGES:
 @torch.library.custom_op(f"{NAMESPACE}::e_index_attention", mutates_args=(), device_types="cuda")
 def index_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None,
                     attn_sink: torch.Tensor | None = None,
-                    softmax_scale: float | None = None,
-                    check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    softmax_scale: float | None = None, check_indices: bool = True,
+                    num_splits: int | None = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage E's index mode (FlashMLA's sparse attention semantics) as an op: (o [tokens, heads, d],
     lse [tokens, heads])."""
     o, lse = stages.get("e").module.index_attention(q, kv, indices, topk_length=topk_length, attn_sink=attn_sink,
-                                                    softmax_scale=softmax_scale, check_indices=check_indices)
+                                                    softmax_scale=softmax_scale, check_indices=check_indices,
+                                                    num_splits=num_splits)
     return o, lse.contiguous()
 
 
 @index_attention.register_fake
-def _(q, kv, indices, topk_length=None, attn_sink=None, softmax_scale=None, check_indices=True):
+def _(q, kv, indices, topk_length=None, attn_sink=None, softmax_scale=None, check_indices=True, num_splits=1):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 

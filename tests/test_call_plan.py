@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dsv4_attention
-from dsv4_attention.common import call_plan, interface, jit
+from dsv4_attention.common import call_plan, interface, jit, split_kv
 from dsv4_attention.stages import c_online_softmax, d1_smem_p, e_fused
 
 
@@ -219,3 +219,90 @@ def test_the_entry_never_plans_calls_whose_checks_read_values(kernel):
     with pytest.raises(ValueError, match="seqused_k values"):
         dsv4_attention.attention(q, k, seqused_k=torch.tensor([301, 10], dtype=torch.int32))
     assert call_plan.size() == 0 and not call_plan._ENTRY
+
+
+# ---- split-KV calls (common/split_kv.py): planned as a SplitPlan, fresh partial buffers each call ----
+
+# the kernel's arguments: q, k, v, o, lse, scale, then MASK_ARGS (call_args drops the stream)
+PARTIALS = [6 + interface.MASK_ARGS.index(n) for n in ("o_partial", "lse_partial")]
+
+
+def split_case():
+    """A decode step: 2 requests x 1 token x 128 heads over 2048 keys, hd 512, K = V, a sink."""
+    return bshd(2, 1, 128, 512), bshd(2, 2048, 1, 512), torch.randn(128)
+
+
+def without_partials(args):
+    return [a for i, a in enumerate(args) if i not in PARTIALS]
+
+
+@pytest.mark.parametrize("num_splits", [3, None])
+def test_a_split_call_is_planned_with_fresh_partial_buffers(kernel, num_splits):
+    q, kv, sink = split_case()
+    e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=num_splits)
+    first = kernel[-1]
+    chosen = call_plan.last_splits()
+    # None: the library's choice for these shapes (4 units of 64 rows, 32 KV tiles, 132 SMs): 4
+    expected = 3 if num_splits == 3 else split_kv.auto_splits(2, 1, 128, 1, 2048, 132)
+    assert expected in (3, 4) and chosen == expected
+    assert call_plan.size() == 1 and isinstance(next(iter(call_plan._PLANS.values())), call_plan.SplitPlan)
+    q2, kv2, sink2 = bshd(*q.shape), bshd(*kv.shape), torch.randn(128)
+    o, lse = e_fused.forward(q2, kv2, kv2, learnable_sink=sink2, num_splits=num_splits)  # planned
+    planned = kernel[-1]
+    assert call_plan.last_splits() == chosen and planned[3] is o and planned[4] is lse
+    for i in PARTIALS:  # the plan's own buffers, new for each call, shaped as the full path's
+        assert planned[i] is not first[i] and planned[i].shape == first[i].shape
+        assert planned[i].shape[0] == chosen * 2 and planned[i].dtype == torch.float32
+    call_plan.clear()
+    e_fused.forward(q2, kv2, kv2, learnable_sink=sink2, num_splits=num_splits, out=o, lse_out=lse)  # full path
+    assert same_args(without_partials(planned), without_partials(kernel[-1]))
+    assert planned[6 + interface.MASK_ARGS.index("num_splits")] == chosen
+
+
+def test_the_split_comparison_rejects_a_plan_with_another_split_count(kernel):
+    """Negative control: a plan whose split count is not the call's hands the kernel partial
+    buffers of the wrong size, and the comparison above must see it."""
+    q, kv, sink = split_case()
+    e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3)
+    (plan,) = call_plan._PLANS.values()
+    plan.splits = 5
+    o, lse = e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3)
+    planned = kernel[-1]
+    assert planned[PARTIALS[0]].shape[0] == 10  # 5 x 2: not the 3 x 2 the kernel's count asks for
+    call_plan.clear()
+    e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3, out=o, lse_out=lse)
+    assert planned[PARTIALS[0]].shape != kernel[-1][PARTIALS[0]].shape
+
+
+def test_split_counts_are_part_of_the_signature(kernel):
+    q, kv, sink = split_case()
+    for n, expect in ((3, 3), (1, 1), (None, 4), (3, 3), (None, 4), (1, 1)):
+        e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=n)
+        assert call_plan.last_splits() == expect, n
+    assert call_plan.size() == 3
+    with pytest.raises(ValueError, match="num_splits"):  # refused before any launch, planned or not
+        e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=True)
+
+
+def test_the_entry_plans_split_calls(kernel):
+    q, kv, sink = split_case()
+    dsv4_attention.attention(q, kv, learnable_sink=sink, num_splits=None)
+    assert call_plan.last_splits() == 4 and len(call_plan._ENTRY) == 1
+    q2, kv2 = bshd(*q.shape), bshd(*kv.shape)
+    o, lse = dsv4_attention.attention(q2, kv2, learnable_sink=sink, num_splits=None)  # the entry's plan
+    planned = kernel[-1]
+    assert planned[0] is q2 and planned[1] is kv2 and planned[3] is o and call_plan.last_splits() == 4
+    assert planned[PARTIALS[0]].shape[0] == 8
+
+
+def test_a_split_plan_keeps_no_tensor_of_the_call_alive(kernel):
+    q, kv, sink = split_case()
+    e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3)
+    first = kernel[-1]
+    refs = [weakref.ref(t) for t in (q, kv, sink, first[PARTIALS[0]], first[PARTIALS[1]])]
+    del q, kv, sink, first
+    kernel.clear()
+    gc.collect()
+    assert call_plan.size() == 1 and all(r() is None for r in refs)

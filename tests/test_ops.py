@@ -148,6 +148,54 @@ def test_fake_index_mode_shapes_and_schema():
     torch.library.opcheck(ops.OPS["e_index"], (q, kv, idx), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_fake_split_shapes_and_schema():
+    """num_splits in the schemas (stage E's op and index mode's; a stage without it refuses any
+    other value than 1): the fake outputs do not depend on it."""
+    q, kv = meta(2, 1, 128, 512), meta(2, 3000, 1, 512)
+    o, lse = op("e")(q, kv, kv, num_splits=None)
+    assert o.shape == q.shape and lse.shape == (2, 128, 1)
+    torch.library.opcheck(op("e"), (q, kv, kv), {"num_splits": 4}, test_utils=("test_schema", "test_faketensor"))
+    qi, kvi, idx = meta(10, 128, 512), meta(30, 1, 512), torch.empty(10, 1, 16, dtype=torch.int32, device="meta")
+    torch.library.opcheck(ops.OPS["e_index"], (qi, kvi, idx), {"num_splits": None},
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="does not take num_splits"):
+        ops._stage_kwargs(stages.get("d5"), None, False, None, None, None, None, num_splits=4)
+    assert "num_splits" not in ops._stage_kwargs(stages.get("d5"), None, False, None, None, None, None, num_splits=1)
+
+
+def split_decode_branch(q, kv, sink):
+    o, lse = torch.ops.dsv4_attention.e_fused(q, kv, kv, learnable_sink=sink, num_splits=None)
+    return o * 2, lse
+
+
+@pytest.mark.stage_e
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_split_op_in_cuda_graph_and_compile_equals_eager(arch):
+    """A split decode step (num_splits=None: its partial buffers allocated and merged inside the
+    op) replayed from a CUDA graph and traced by torch.compile (fullgraph): bitwise the eager call."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 128, 512, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 3000, 1, 512, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(128, generator=g).cuda()
+    o_eager, lse_eager = split_decode_branch(q, kv, sink)
+    compiled = torch.compile(split_decode_branch, fullgraph=True)(q, kv, sink)
+    assert torch.equal(compiled[0], o_eager) and torch.equal(compiled[1], lse_eager)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        split_decode_branch(q, kv, sink)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph, lse_graph = split_decode_branch(q, kv, sink)
+    for _ in range(2):
+        o_graph.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager)
+
+
 def fused_branch(q, kv, c, sink):
     o, lse = torch.ops.dsv4_attention.e_fused(q, kv, kv, causal=True, window_left=127, learnable_sink=sink,
                                               compressed_kv=c, compress_ratio=4)

@@ -340,6 +340,49 @@ def test_chosen_split_count(arch, record_errors):
                     options={"learnable_sink": sink, "num_splits": None})
 
 
+@pytest.mark.parametrize("arch", SPLIT_ARCH)
+@pytest.mark.parametrize("mode", ["dense", "csa"])
+def test_planned_split_calls_equal_the_full_path(arch, mode):
+    """A repeated split signature replays its plan (``call_plan.SplitPlan``: fresh partial buffers,
+    then the merge with the sink): on new inputs of the same shapes, into poisoned outputs, bitwise
+    the full path's result on the same inputs. ``num_splits=None`` over dense decode at 4000 keys
+    (2 requests x 2 tokens: 8 Q tiles, 63 KV tiles; 7 splits on 132 SMs), 4 splits of a CSA layer
+    with unchecked lists (the only planned top-k calls); the count each ran with is reported."""
+    from dsv4_attention.common import call_plan
+    from dsv4_attention.common.persistent import device_sms
+
+    g = fresh_generator()
+
+    def case():
+        if mode == "dense":
+            q = random_bshd(2, 2, 128, 512, torch.bfloat16, "cuda", generator=g)
+            kv = random_bshd(2, 4000, 1, 512, torch.bfloat16, "cuda", generator=g)
+            return q, kv, {"learnable_sink": (torch.randn(128, generator=g) * 2).cuda(), "num_splits": None}
+        q, kv, opts = decode_case("csa", 2, 2, 128, g, keys=4000)
+        return q, kv, {**opts, "check_indices": False, "num_splits": 4}
+
+    def poisoned(q):
+        return (torch.full_like(q, math.nan),
+                torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device="cuda"))
+
+    call_plan.clear()
+    q, kv, opts = case()
+    o1, lse1 = poisoned(q)
+    stage.forward(q, kv, out=o1, lse_out=lse1, **opts)  # the full path: records the plan
+    chosen = call_plan.last_splits()
+    assert chosen == (split_kv.auto_splits(2, 2, 128, 1, 4000, device_sms()) if mode == "dense" else 4) and chosen > 1
+    q2, kv2, opts2 = case()
+    o, lse = poisoned(q2)
+    stage.forward(q2, kv2, out=o, lse_out=lse, **opts2)
+    assert call_plan.last_splits() == chosen and call_plan.size() >= 1
+    call_plan.clear()  # the same call again by the full path
+    o_full, lse_full = poisoned(q2)
+    stage.forward(q2, kv2, out=o_full, lse_out=lse_full, **opts2)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(o, o_full) and torch.equal(lse, lse_full)
+
+
 @pytest.mark.parametrize("arch", gpu_arch_params())
 def test_split_refusals_before_launch(arch):
     """A split where the kernel cannot split: head dim 128 (no seesaw), cu_seqlens."""

@@ -331,17 +331,16 @@ def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
     (``mode`` dense: MQA decode) or DeepSeek-V4's HCA layer (window (127, 0) + the sk / 128
     entries). The split count the library chooses (``num_splits=None``) against one unit per Q
     tile (``num_splits=1``), both replayed from CUDA graphs in the same run, same inputs."""
-    from dsv4_attention.common import split_kv
-    from dsv4_attention.common.persistent import device_sms
+    from dsv4_attention.common import call_plan
     from dsv4_attention.stages import e_fused
 
     c = dsv4_layer(dev, b, 1, sk, None)
-    kw, keys = decode_layer_kwargs(c, mode)
-    splits = split_kv.auto_splits(b, 1, 128, 1, keys, device_sms())
+    kw, _ = decode_layer_kwargs(c, mode)
     ms = {n: graph_ms([lambda n=n: e_fused.forward(c["q"], c["kv"], num_splits=n, **kw)])
           for n in (1, None)}
-    diff = (e_fused.forward(c["q"], c["kv"], num_splits=None, **kw)[0].float()
-            - e_fused.forward(c["q"], c["kv"], **kw)[0].float()).abs().max().item()
+    split_o = e_fused.forward(c["q"], c["kv"], num_splits=None, **kw)[0].float()
+    splits = call_plan.last_splits()  # the count the library chose for this call
+    diff = (split_o - e_fused.forward(c["q"], c["kv"], **kw)[0].float()).abs().max().item()
     what = "every key" if mode == "dense" else f"window(127, 0) + {c['compressed_kv'].shape[1]} entries (ratio 128)"
     row = {"stage": "decode", "case": f"split-KV decode b{b} h128 hk1 sq1 sk{sk} {what} hd512 k_eq_v sink bf16",
            "head_dim": 512, "seqlen": sk, "kind": "split-KV decode (CUDA graph replay)", "num_splits": splits,
