@@ -231,6 +231,7 @@ from dsv4_attention.common.testing import (  # noqa: E402 - the GPU half of the 
     errors,
     fresh_generator,
     gpu_arch_params,
+    poison_,
     random_bshd,
     random_index_lists,
 )
@@ -361,9 +362,9 @@ def test_planned_split_calls_equal_the_full_path(arch, mode):
         q, kv, opts = decode_case("csa", 2, 2, 128, g, keys=4000)
         return q, kv, {**opts, "check_indices": False, "num_splits": 4}
 
-    def poisoned(q):
-        return (torch.full_like(q, math.nan),
-                torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device="cuda"))
+    def poisoned(q):  # fresh O and LSE, NaN before the launch
+        return (poison_(torch.empty_like(q)),
+                poison_(torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device="cuda")))
 
     call_plan.clear()
     q, kv, opts = case()

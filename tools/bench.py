@@ -311,19 +311,19 @@ def bench_decode(dev) -> list:
     return rows
 
 
-def decode_layer_kwargs(c: dict, mode: str) -> tuple[dict, int]:
-    """(stage E's forward keywords, the keys a row sees at most) for a ``dsv4_layer`` case ``c``
-    run as ``mode``: "dense" (MQA decode over every key, the sink), "hca" (window (127, 0) + every
-    visible entry) or "csa" (window + the case's top-k lists, unchecked)."""
+def decode_layer_kwargs(c: dict, mode: str) -> dict:
+    """Stage E's forward keywords for a ``dsv4_layer`` case ``c`` run as ``mode``: "dense" (MQA
+    decode over every key, the sink), "hca" (window (127, 0) + every visible entry) or "csa"
+    (window + the case's top-k lists, unchecked). The split count such a call runs with is the
+    library's to choose and report (``call_plan.last_splits``), not recomputed here."""
     kw = {"learnable_sink": c["learnable_sink"]}
     if mode == "dense":
-        return kw, c["kv"].shape[1]
+        return kw
     kw.update(compressed_kv=c["compressed_kv"], compress_ratio=c["compress_ratio"], causal=True,
               window_size=(127, 0))
     if mode == "csa":
         kw.update(topk_indices=c["topk_indices"], check_indices=False)
-        return kw, 128 + c["topk_indices"].shape[-1]
-    return kw, 128 + c["compressed_kv"].shape[1]
+    return kw
 
 
 def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
@@ -335,7 +335,7 @@ def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
     from dsv4_attention.stages import e_fused
 
     c = dsv4_layer(dev, b, 1, sk, None)
-    kw, _ = decode_layer_kwargs(c, mode)
+    kw = decode_layer_kwargs(c, mode)
     ms = {n: graph_ms([lambda n=n: e_fused.forward(c["q"], c["kv"], num_splits=n, **kw)])
           for n in (1, None)}
     split_o = e_fused.forward(c["q"], c["kv"], num_splits=None, **kw)[0].float()

@@ -26,7 +26,7 @@ def main():
         for sk in a.sk:
             for b in a.batch:
                 c = dsv4_layer(dev, b, 1, sk, 512 if mode == "csa" else None)
-                kw, _ = decode_layer_kwargs(c, mode)
+                kw = decode_layer_kwargs(c, mode)
                 ref = e_fused.forward(c["q"], c["kv"], **kw)[0].float()
                 out = []
                 for s in a.splits:
