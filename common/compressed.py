@@ -38,12 +38,15 @@ from dsv4_attention.common.softmax import acc_rows_view
 
 
 def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool,
-                has_positions: bool = False) -> None:
+                has_positions: bool = False, padded_topk: bool = False) -> None:
     """Stage E's compile-time options on a kernel object (both archs), refused where they do not
     compose: compressed entries are K = V rows; top-k lists need the compressed tensor and Q tiles
-    of one token (pack_group a multiple of ``tile_m``); index mode is top-k with no window, batched;
-    per-token positions (``has_positions``: the kernel takes mPositions) have no meaning in index
-    mode."""
+    of one token (pack_group a multiple of ``tile_m``, or, where the kernel pads (``padded_topk``:
+    sm100), exactly half of it: ``pack_heads.padded_topk_group``); index mode is top-k with no
+    window, batched; per-token positions (``has_positions``: the kernel takes mPositions) have no
+    meaning in index mode."""
+    from dsv4_attention.common.pack_heads import padded_topk_group
+
     kernel.has_compressed, kernel.has_topk, kernel.index_mode = bool(has_compressed), bool(has_topk), bool(index_mode)
     kernel.has_positions = bool(has_positions)
     if kernel.has_positions and kernel.index_mode:
@@ -52,9 +55,11 @@ def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index
         raise ValueError("index_mode: the lists are the only keys (has_topk, no window)")
     if kernel.has_topk and not kernel.has_compressed:
         raise ValueError("has_topk lists entries of the compressed tensor: it needs has_compressed")
-    if kernel.has_topk and kernel.pack_group % tile_m:
+    if kernel.has_topk and kernel.pack_group % tile_m and not (padded_topk
+                                                                and padded_topk_group(kernel.pack_group, tile_m)):
         raise ValueError(f"top-k: a Q tile gathers one token's list, so pack_group ({kernel.pack_group}) must be a "
-                         f"multiple of the {tile_m}-row tile")
+                         f"multiple of the {tile_m}-row tile" + (f" or {tile_m // 2} (a padded tile)" if padded_topk
+                                                                 else ""))
     if kernel.has_compressed and not kernel.kv_shared:
         raise ValueError("compressed entries are K = V rows: the window's K and V must be one tensor (kv)")
     if kernel.index_mode and kernel.varlen:

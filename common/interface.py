@@ -203,6 +203,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     from dsv4_attention.common.validation import (
         check_compressed,
         check_cu_seqlens,
+        check_gather_layout,
         check_kv_start,
         check_positions,
         check_seqused_k,
@@ -261,12 +262,12 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
             if topk_indices is not None:
                 check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch,
                            entry_limits=entry_limits[0], check_values=check_indices)
-                if not compressed_kv.is_contiguous():  # rows are gathered by (batch, entry) address arithmetic
-                    raise ValueError("with topk_indices, compressed_kv must be contiguous")
             if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
                 entries[:] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
                 chosen["has_compressed"] = True
                 if topk_indices is not None:
+                    # any layout check_compressed took, but sm100's gather4 reads one 2D view of the rows
+                    check_gather_layout(compressed_kv, arch)
                     chosen["has_topk"] = True
                     if index_mode:  # the lists are every key (FlashMLA's sparse attention)
                         chosen["index_mode"] = True

@@ -40,3 +40,13 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2
     w1, w2 = (w.transpose(1, 2)[..., None] if lse_layout == "bhs" else w.transpose(0, 1)[..., None] for w in (w1, w2))
     o = (w1 * o1.float() + w2 * o2.float()).to(o1.dtype)
     return o, lse
+
+
+def sink_scale(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The attention sink's factor on O, sigmoid(LSE - sink) in fp32 (``lse`` and ``sink``
+    broadcast against each other; the kernels' ``softmax.sink_factor`` in torch): 1 for a sink of
+    -inf, 0 for +inf, and 0 on a row with no visible key (LSE = -inf) whatever the sink, where the
+    bare sigmoid is NaN for a sink of -inf."""
+    lse = lse.float()
+    scale = torch.sigmoid(lse - sink.float())
+    return torch.where(torch.isneginf(lse), torch.zeros_like(scale), scale)

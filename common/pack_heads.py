@@ -63,6 +63,14 @@ def pack_group(pack_gqa: bool | None, heads: int, kv_heads: int, tile_m: int) ->
     return group
 
 
+def padded_topk_group(group: int, tile_m: int) -> bool:
+    """Top-k / index mode on sm100 (one token's list gathered per Q tile): whether one token's
+    ``group`` heads are served in a ``tile_m``-row tile padded, rows group .. tile_m - 1 computed but
+    never stored: exactly half a tile (DeepSeek-V4-Flash's 64 heads on the 128-row tile). A smaller
+    group (32: 3 / 4 of the rows wasted) is refused, as is one that does not divide the tile."""
+    return 2 * group == tile_m
+
+
 def fold_heads(t: cute.Tensor, seq_mode: int, head_mode: int, group: int) -> cute.Tensor:
     """``t`` with ``group`` consecutive heads folded into its seqlen mode (see the module
     docstring): mode ``seq_mode`` becomes (group, seqlen) : (head_stride, seq_stride) and

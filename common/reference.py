@@ -49,6 +49,15 @@ def visibility(seqlen_q: int, seqlen_k: int, seqused_k=None, window_size=(None, 
     return vis[:, None]
 
 
+def _sink_scale(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """exp(LSE) / (exp(LSE) + exp(sink)) in float64, by its definition: a row with no visible key
+    (LSE = -inf) has O = 0 for any sink, +-inf included; sink = -inf leaves O as it is (1);
+    sink = +inf takes the whole row (0). (The bare sigmoid(LSE - sink) is NaN at LSE = sink = -inf.)"""
+    sink = sink.to(device=lse.device, dtype=torch.float64)
+    scale = torch.sigmoid(lse - sink)
+    return torch.where(torch.isneginf(lse), torch.zeros_like(scale), scale)
+
+
 def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, causal: bool = False,
               window_size=(None, None), learnable_sink=None):
     """Softmax attention with its log-sum-exp, float64.
@@ -71,8 +80,7 @@ def attention(q, k, v, softmax_scale: float | None = None, *, seqused_k=None, ca
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("bhij,bjhd->bihd", p, _expand_kv(v, q.shape[2]).to(torch.float64))
     if learnable_sink is not None:
-        sink = learnable_sink.to(device=q.device, dtype=torch.float64)
-        o = o * torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]
+        o = o * _sink_scale(lse, learnable_sink[None, :, None]).transpose(1, 2)[..., None]
     return o, lse
 
 
@@ -132,8 +140,7 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
     lse = torch.logsumexp(torch.cat([p[0] for p in parts], dim=-1), dim=-1)
     o = sum(torch.einsum(eq, torch.exp(sc - lse[..., None]).nan_to_num(0.0), val) for sc, eq, val in parts)
     if learnable_sink is not None:
-        sink = learnable_sink.to(device=dev, dtype=torch.float64)
-        o = o * torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]
+        o = o * _sink_scale(lse, learnable_sink[None, :, None]).transpose(1, 2)[..., None]
     return o, lse
 
 
@@ -149,5 +156,5 @@ def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
     lse = torch.logsumexp(s, -1)
     o = torch.einsum("thk,tkd->thd", torch.exp(s - lse[..., None]).nan_to_num(0.0), g)
     if sink is not None:
-        o = o * torch.sigmoid(lse - sink.to(torch.float64))[..., None]
-    return o.nan_to_num(0.0), lse
+        o = o * _sink_scale(lse, sink)[..., None]
+    return o, lse

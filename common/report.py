@@ -252,5 +252,6 @@ def merge(old: dict | None, new: dict, root: pathlib.Path = ROOT) -> dict:
     out["bench_sources"] = {**old.get("bench_sources", {}), **new.get("bench_sources", {})}
     if new.get("peer_sanity"):
         out["peer_sanity"] = new["peer_sanity"]
+    out["conformance"] = {**old.get("conformance", {}), **new.get("conformance", {})}
     out["runs"] = old.get("runs", []) + new.get("runs", [])
     return settle(out, root)

@@ -121,10 +121,11 @@ def block_rows_layout(k_block: cute.Layout) -> cute.Layout:
 def gather_view(c: cute.Tensor, tile_n: int):
     """The compressed entries (``c``: (entries, head_dim, kv_heads, batch), seq_major) as the 2D
     tensor a gather4 atom reads, (batch x entries rows, kv_heads x head_dim columns): entry j of
-    batch b is row b * entries + j, kv head hk's column x is hk * head_dim + x. Assumes the
-    (batch, entry, kv head) strides are dense (batch = entries x entry stride, kv head = head_dim:
-    a contiguous [batch, entries, kv_heads, head_dim] tensor). Returns (that tensor, the shape of
-    the index tensor the atom is built with: (entries, columns))."""
+    batch b is row b * entries + j, kv head hk's column x is hk * head_dim + x. Any entry stride
+    (a multiple of 16 bytes: a view into a padded buffer is read in place); assumes batch stride =
+    entries x entry stride (or one batch entry) and kv-head stride = head_dim (or one kv head), which
+    ``validation.check_gather_layout`` checks before launch (proof: tests/test_e_cpu.py). Returns
+    (that tensor, the shape of the index tensor the atom is built with: (entries, columns))."""
     entries, head_dim, kv_heads, batch = c.shape
     columns = kv_heads * head_dim
     rows_2d = cute.make_tensor(c.iterator, cute.make_layout((batch * entries, columns), stride=(c.stride[0], 1)))

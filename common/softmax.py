@@ -103,10 +103,18 @@ LOG2E = 1.0 / LN2
 @cute.jit
 def sink_factor(lse: cutlass.Float32, sink: cutlass.Float32) -> cutlass.Float32:
     """The attention sink's factor on a row's O, sigmoid(LSE - sink) = 1 / (1 + 2^((sink - LSE) log2 e)):
-    a logit in the denominator only. An empty row (LSE = -inf) gets 0. Every architecture's epilogue
-    and the split-KV merge call this one form."""
-    return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp2((sink - lse) * cutlass.Float32(LOG2E),
-                                                                          fastmath=True))
+    a logit in the denominator only. Every architecture's epilogue and the split-KV merge call this
+    one form. The cases it must get right (FlashMLA draws sinks of +-inf):
+
+        LSE finite, sink finite   1 / (1 + e^(sink - LSE))
+        LSE finite, sink -inf     1   (e^-inf = 0: the sink changes nothing)
+        LSE finite, sink +inf     0   (1 / (1 + inf): the sink takes the whole row)
+        LSE -inf (row empty)      0   for any sink: the row's O is 0 whatever the sink; the
+                                      formula alone gives e^(-inf - -inf) = NaN there, and O * NaN
+                                      is NaN, so the empty row is decided by the select."""
+    factor = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp2((sink - lse) * cutlass.Float32(LOG2E),
+                                                                            fastmath=True))
+    return factor if lse > -cutlass.Float32.inf else cutlass.Float32(0.0)
 
 
 # ---------------------------------------------------------------------------------------

@@ -108,14 +108,14 @@ def combine_torch(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor,
     """``combine`` in torch: the parts folded through ``common/merge.merge_attention`` (the
     project's exact merge of disjoint key sets, in fp32), then the sink. The CPU's form of the
     merge and the specification the kernel's merge is tested against."""
-    from dsv4_attention.common.merge import merge_attention
+    from dsv4_attention.common.merge import merge_attention, sink_scale
 
     b = o.shape[0]
     acc_o, acc_l = o_part[:b], lse_part[:b]
     for i in range(1, o_part.shape[0] // b):
         acc_o, acc_l = merge_attention(acc_o, acc_l, o_part[i * b:(i + 1) * b], lse_part[i * b:(i + 1) * b])
-    if sink is not None:  # O *= sigmoid(LSE - sink[h]); an empty row (LSE = -inf) stays 0
-        acc_o = acc_o * torch.sigmoid(acc_l - sink.float()[None, :, None]).transpose(1, 2)[..., None]
+    if sink is not None:  # O *= sigmoid(LSE - sink[h]); an empty row (LSE = -inf) stays 0, any sink
+        acc_o = acc_o * sink_scale(acc_l, sink[None, :, None]).transpose(1, 2)[..., None]
     o.copy_(acc_o)
     lse.copy_(acc_l)
     return o, lse

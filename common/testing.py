@@ -83,11 +83,32 @@ def random_index_lists(tokens: int, k: int, rows: int, generator, *, pad: float 
     return idx
 
 
+def sinks_with_infinities(heads: int, generator, device="cuda") -> torch.Tensor:
+    """[heads] fp32 attention sinks as FlashMLA's test draws them: N(0, 2^2), with heads 0, 3, 6, ...
+    at -inf (no sink) and 1, 4, 7, ... at +inf (O = 0), so that every row meets each kind."""
+    s = torch.randn(heads, generator=generator) * 2
+    s[0::3], s[1::3] = -math.inf, math.inf
+    return s.to(device)
+
+
 def fresh_generator(seed: int | None = None) -> torch.Generator:
     """A generator with a fresh seed each call unless one is given; the seed is kept for messages."""
     g = torch.Generator()
     g.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
     return g
+
+
+def padded_view(t: torch.Tensor, fill=None) -> torch.Tensor:
+    """``t``'s values in a view into a buffer padded in every dim (each + 1, the last + 128): the
+    strided layout FlashMLA's tests pass every input in (kernelkit.non_contiguousify; a [s, 1, 512]
+    bf16 kv gets strides (1280, 640, 1)). The padding holds ``fill`` (default NaN for floating
+    tensors, 2^30 for integers): a read of it shows in the result."""
+    if fill is None:
+        fill = float("nan") if t.is_floating_point() else 2**30
+    shape = [n + 128 if i == t.dim() - 1 else n + 1 for i, n in enumerate(t.shape)]
+    view = torch.full(shape, fill, dtype=t.dtype, device=t.device)[tuple(slice(0, n) for n in t.shape)]
+    view.copy_(t)
+    return view
 
 
 # ---- architecture marks -----------------------------------------------------------------

@@ -29,8 +29,31 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def check_bshd(name: str, t, head_dims, min_seqlen: int = 1) -> None:
-    """One [batch, seqlen, heads, head_dim] input."""
+def check_readable(name: str, t: torch.Tensor, dims: tuple, skip: tuple = ()) -> None:
+    """What the copy engines read of ``t``, rows of its last dim, whatever its other strides are (a
+    view into a padded buffer included): the last dim contiguous (stride 1: a row is one run of
+    bytes), every other stride a whole number of 16-byte units (TMA takes each outer global stride in
+    16-byte units, an extent-1 dim's too; the sm90 top-k gather copies a row 16 bytes at a time with
+    cp.async, each copy 16-byte aligned) and a 16-byte aligned data pointer (TMA's global address,
+    cp.async's source). Nothing else is assumed: no dense relation between the strides, no order
+    among them. ``dims`` names t's dims in the messages; ``skip``: dims whose stride is not read (an
+    extent-1 dim the caller gives another stride before the launch)."""
+    strides, elem = t.stride(), t.element_size()
+    if strides[-1] != 1:
+        raise ValueError(f"{name} must have {dims[-1]} contiguous (stride 1); got strides {strides}")
+    for dim, s in enumerate(strides[:-1]):
+        if (s * elem) % 16 and dim not in skip:
+            raise ValueError(f"{name} stride of dim {dim} must be a multiple of 16 bytes (TMA and the top-k gather "
+                             f"read 16-byte aligned rows): its {dims[dim]} stride is {s} elements = {s * elem} bytes; "
+                             f"got strides {strides}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} data pointer must be 16-byte aligned (TMA); got {t.data_ptr():#x}")
+
+
+def check_bshd(name: str, t, head_dims, min_seqlen: int = 1,
+               dims: tuple = ("batch", "seqlen", "head", "head_dim")) -> None:
+    """One [batch, seqlen, heads, head_dim] input, in any layout ``check_readable`` accepts
+    (``dims``: its dims' names in the messages)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dtype not in DTYPES:
@@ -46,16 +69,7 @@ def check_bshd(name: str, t, head_dims, min_seqlen: int = 1) -> None:
         raise ValueError(f"{name} needs batch >= 1 and heads >= 1; got shape {tuple(t.shape)}")
     if s < min_seqlen:
         raise ValueError(f"{name} needs seqlen >= {min_seqlen}; got shape {tuple(t.shape)}")
-    if t.stride(3) != 1:
-        raise ValueError(f"{name} must have head_dim contiguous (stride 1); got strides {t.stride()}")
-    elem = t.element_size()
-    for dim in (0, 1, 2):  # every TMA stride, even of an extent-1 dim, must be a multiple of 16 bytes
-        if (t.stride(dim) * elem) % 16:
-            raise ValueError(
-                f"{name} stride of dim {dim} must be a multiple of 16 bytes (TMA); got strides {t.stride()}"
-            )
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} data pointer must be 16-byte aligned (TMA); got {t.data_ptr():#x}")
+    check_readable(name, t, dims)
 
 
 def check_same(ref_name: str, ref, name: str, t) -> None:
@@ -201,7 +215,8 @@ def check_compressed(compressed_kv, compress_ratio, k, v) -> None:
         raise ValueError("compressed_kv and compress_ratio go together: pass both (or neither)")
     if isinstance(compress_ratio, bool) or not isinstance(compress_ratio, int) or not 1 <= compress_ratio < 2**31:
         raise ValueError(f"compress_ratio must be a positive int; got {compress_ratio!r}")
-    check_bshd("compressed_kv", compressed_kv, (k.shape[3],), min_seqlen=0)
+    check_bshd("compressed_kv", compressed_kv, (k.shape[3],), min_seqlen=0,
+               dims=("batch", "entry", "kv head", "head_dim"))
     check_same("k", k, "compressed_kv", compressed_kv)
     b, _, hk, _ = k.shape
     if compressed_kv.shape[0] != b or compressed_kv.shape[2] != hk:
@@ -210,6 +225,31 @@ def check_compressed(compressed_kv, compress_ratio, k, v) -> None:
     if v is not None and not (v is k or (v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
                                          and v.shape == k.shape)):
         raise ValueError("compressed entries are K = V rows: pass the window's keys as one tensor (k is v)")
+
+
+def check_gather_layout(compressed_kv, arch: str, name: str = "compressed_kv") -> None:
+    """What the top-k gather reads of ``compressed_kv`` [batch, entries, kv_heads, head_dim], past
+    ``check_readable`` (checked by ``check_compressed``). sm90: nothing more; its producer warps
+    address every row by the tensor's own (batch, entry, kv head) strides (cp.async, 16 bytes a copy).
+    sm100: TMA gather4 reads one 2D tensor (``common.sm100_kv.gather_view``: batch x entries rows of
+    the entry stride, kv_heads x head_dim unit-stride columns), where batch b's entry j is row
+    b * entries + j and kv head hk's columns start at hk * head_dim; that is the tensor's element
+    (b, j, hk, x) for every coordinate iff the batch stride is entries x the entry stride (or there is
+    one batch entry, or no entry) and the kv-head stride is head_dim (or there is one kv head).
+    Index mode (one batch entry, one kv head) and a variable-length batch's packed entries (one
+    batch) need neither."""
+    if arch != "sm100":
+        return
+    b, n, hk, d = compressed_kv.shape
+    s_b, s_n, s_h, _ = compressed_kv.stride()
+    if hk > 1 and s_h != d:
+        raise ValueError(f"{name}'s kv-head stride ({s_h} elements) must equal its head_dim ({d}) for the sm100 "
+                         f"top-k gather, which reads an entry's {hk} kv heads as one row of {hk} x {d} columns; "
+                         f"got strides {compressed_kv.stride()}")
+    if b > 1 and n > 0 and s_b != n * s_n:
+        raise ValueError(f"{name}'s batch stride ({s_b} elements) must be entries x its entry stride ({n} x {s_n} = "
+                         f"{n * s_n}) for the sm100 top-k gather, which reads batch b's entry j as row b * entries + "
+                         f"j of one 2D view; got strides {compressed_kv.stride()}")
 
 
 def check_kv_start(kv_start, seqlen_k: int) -> None:
@@ -226,9 +266,10 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
     inside a CUDA graph capture and where ``check_values`` is False: the kernel's own bound check
     then treats what lies outside as -1). The
     kernels gather one token's list per Q tile, so the query heads of a KV head must fill whole
-    tiles (``group`` a multiple of the kernel's ``tile_m`` rows). ``entry_limits`` (a variable-length
-    batch, [seqlen_q] int32): token t's indices lie in [0, entry_limits[t]) instead, its request's
-    entries."""
+    tiles (``group`` a multiple of the kernel's ``tile_m`` rows), or, on sm100, half of one (64
+    heads on the 128-row tile: ``pack_heads.padded_topk_group``, rows 64 .. 127 padding).
+    ``entry_limits`` (a variable-length batch, [seqlen_q] int32): token t's indices lie in
+    [0, entry_limits[t]) instead, its request's entries."""
     if not isinstance(topk_indices, torch.Tensor):
         raise ValueError(f"topk_indices must be a torch.Tensor or None; got {type(topk_indices).__name__}")
     if topk_indices.dtype != torch.int32:
@@ -240,9 +281,13 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
         raise ValueError(f"topk_indices must be on {q.device} like q; got {topk_indices.device}")
     if topk_indices.shape[2] > 1 and topk_indices.stride(2) != 1:
         raise ValueError(f"topk_indices must have its last dim contiguous; got strides {topk_indices.stride()}")
-    if group % tile_m:
+    from dsv4_attention.common.pack_heads import padded_topk_group
+
+    padded = arch == "sm100" and padded_topk_group(group, tile_m)  # 64 heads: one token a tile, half padding
+    if group % tile_m and not padded:
         raise ValueError(f"topk_indices: each Q tile gathers one token's list, so the query heads per KV head "
-                         f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile")
+                         f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile"
+                         + (f" or {tile_m // 2} (one token a tile, half of it padding)" if arch == "sm100" else ""))
     if not check_values or topk_indices.numel() == 0 or \
             (topk_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
         return

@@ -16,10 +16,11 @@ the compile budgets.
    outside a request's tokens (the padding after the last) is stored; no row-by-row store leaves the
    tensor; LSE likewise. The request's row and key counts and its K / V views' first key are
    checked too. Random cu_seqlens with requests of 0 queries, 0 keys, full tiles and straddling
-   ones, for pack groups 1, 8, 64, 128 and O split over two CTAs (head dim 512), and the reversed
-   tile order of causal D4. Negative controls the same checker rejects: a request offset by cu_q[b]
-   packed rows (the * g forgotten), the TMA box used on the straddling tile, and a row-by-row store
-   that keeps every row.
+   ones, for pack groups 1, 8, 64, 128 and O split over two CTAs (head dim 512), the reversed
+   tile order of causal D4, and stage E's padded tile (top-k with 64 heads: one token a 128-row
+   tile, rows 64 .. 127 never stored). Negative controls the same checker rejects: a request
+   offset by cu_q[b] packed rows (the * g forgotten), the TMA box used on the straddling tile, a
+   row-by-row store that keeps every row, and a padded tile that stores its padding rows.
 2. Compile budgets (marked compile / slow): D3 varlen at head dims 128 and 512, D4 varlen with
    window bounds.
 """
@@ -38,6 +39,7 @@ from cutlass import Int32
 from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
 from dsv4_attention.stages.d3_lengths.sm100 import FlashAttentionD3Sm100
 from dsv4_attention.stages.d4_causal_window.sm100 import FlashAttentionD4Sm100
+from dsv4_attention.stages.e_fused.sm100 import FlashAttentionESm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_d3]
 
@@ -103,7 +105,7 @@ def build_store_runner(kernel):
                 for bx in cutlass.range(grid_x, unroll=1):
                     m_blk, half = kernel.q_tile_of(bx, grid_x)
                     if kernel.tile_has_rows(m_blk, n_rows):
-                        rows_left = n_rows - m_blk * QK_TILE_M
+                        rows_left = n_rows - m_blk * kernel.owned_rows  # owned_rows: QK_TILE_M but padded
                         if kernel.o_by_tma(rows_left):  # one box; TMA clips what lies past the tensor
                             box = kernel.o_tile(mO, m_blk, half, h, bi)
                             for i in cutlass.range(QK_TILE_M, unroll=1):
@@ -120,14 +122,14 @@ def build_store_runner(kernel):
                                     for i in cutlass.range(cute.size(dst), unroll_full=True):
                                         crd = dst[i]
                                         if inside(crd, count.shape):
-                                            put(count, who, crd, tag(r, h, m_blk * QK_TILE_M + ids[i][0],
+                                            put(count, who, crd, tag(r, h, m_blk * kernel.owned_rows + ids[i][0],
                                                                      half * o_cols + ids[i][1]))
                                         else:
                                             oob[0] = oob[0] + 1
                         for t in cutlass.range(EPI_THREADS, unroll=1):  # LSE: as the correction threads
                             row = kernel.o_row_part(tiled_o_load.get_slice(t), tile_ids)[0][0]
-                            q_row = m_blk * QK_TILE_M + row
-                            if half == 0 and q_row < n_rows:
+                            q_row = kernel.packed_row(m_blk, row)
+                            if half == 0 and kernel.lse_stored(row, q_row, n_rows):
                                 crd = mLSE[q_row, h, bi]
                                 if inside(crd, lse_count.shape):
                                     put(lse_count, lse_who, crd, tag(r, h, q_row, 0))
@@ -235,7 +237,15 @@ class EveryRowStored(FlashAttentionD3Sm100):
         return row >= 0
 
 
+class PaddingRowsStored(FlashAttentionESm100):
+    """Wrong: stage E's padded tile (64 heads with lists) stores its padding rows too."""
+
+    def row_stored(self, row, rows_left):
+        return row < rows_left
+
+
 HD128 = {"kv_shared": False}
+E_PADDED = {"kv_shared": True, "pack_group": 64, "has_right": True, "has_compressed": True, "has_topk": True}
 HD512 = {"kv_shared": True, "pack_group": 128}
 #: (class, head dim, options, requests, longest request): pack groups 1, 8, 64, 128; O split at 512
 CASES = {
@@ -244,6 +254,8 @@ CASES = {
     "hd512-g128": (FlashAttentionD3Sm100, 512, HD512, 6, 3),
     "hd512-g64": (FlashAttentionD3Sm100, 512, {"kv_shared": True, "pack_group": 64}, 5, 5),
     "d4-hd128-causal": (FlashAttentionD4Sm100, 128, {"kv_shared": False, "has_right": True}, 5, 300),
+    # stage E's top-k with 64 heads: one token a 128-row tile, rows 64 .. 127 padding, never stored
+    "e-topk-hd512-g64-padded": (FlashAttentionESm100, 512, E_PADDED, 5, 5),
 }
 
 
@@ -258,8 +270,10 @@ def test_varlen_stores_hit_exactly_each_requests_rows(name):
         (random_cu(rnd, requests, max_len, zeros=False), random_cu(rnd, requests, 70)),
         ([0, max_len, max_len, 2 * max_len], [0, 0, 5, 5]),  # empty requests of queries and of keys
     ]
-    if cls is FlashAttentionD4Sm100:
+    if cls is not FlashAttentionD3Sm100:
         assert make_kernel(head_dim, cls=cls, **options).longest_first  # the reversed tile order
+    if cls is FlashAttentionESm100:
+        assert make_kernel(head_dim, cls=cls, **options).padded()
     for cu_q, cu_k in cases:
         fails = store_failures(cls, head_dim, options, cu_q, cu_k)
         assert fails == [], (cu_q, cu_k, fails[:4])
@@ -272,6 +286,7 @@ def test_varlen_stores_hit_exactly_each_requests_rows(name):
     (TmaOnStraddlingTile, 128, HD128, [0, 200, 330, 400]),
     (TmaOnStraddlingTile, 512, HD512, [0, 3, 4, 6]),  # 128 rows a token: a token's rows never straddle
     (EveryRowStored, 128, HD128, [0, 200, 330, 400]),
+    (PaddingRowsStored, 512, E_PADDED, [0, 3, 4, 6]),
 ])  # fmt: skip
 def test_store_checker_rejects_wrong_stores(cls, head_dim, options, cu_q):
     fails = store_failures(cls, head_dim, options, cu_q, [0, 10, 20, 30, 40][:len(cu_q)])

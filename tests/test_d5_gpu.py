@@ -18,6 +18,7 @@ from dsv4_attention.common.testing import (
     fresh_generator,
     gpu_arch_params,
     run_compute_sanitizer,
+    sinks_with_infinities,
     varlen_inputs,
 )
 from dsv4_attention.stages import d5_sink_merge as stage
@@ -61,6 +62,25 @@ def test_sink_with_empty_rows_and_lengths(arch, dtype, record_errors):
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", [128, 512])
+def test_infinite_sinks_on_empty_and_full_rows(arch, head_dim, record_errors):
+    """FlashMLA's sink draw (a third of the heads -inf, a third +inf) on rows with no key (request 0:
+    seqused_k 0) and rows with keys: against the reference; O = 0 on every empty row whatever the
+    sink and on every head whose sink is +inf; LSE bitwise that of the call without a sink."""
+    group = 64 if head_dim == 512 else 8
+    q, k, v, g = attention_inputs(3, 150, 300, group, 1, head_dim, torch.bfloat16, kv_shared=head_dim == 512)
+    n = torch.tensor([0, 300, 41], dtype=torch.int32, device="cuda")
+    s = sinks_with_infinities(group, g)
+    masks = {"seqused_k": n, "causal": True, "window_size": (127, 0)}
+    check_attention(stage.forward, q, k, v, record_errors, g, arch=arch, options={"learnable_sink": s, **masks})
+    o, lse = stage.forward(q, k, v, learnable_sink=s, **masks)
+    _, lse0 = stage.forward(q, k, v, **masks)
+    assert bool(torch.isfinite(o).all())
+    assert bool((o[0] == 0).all()) and bool((o[:, :, torch.isposinf(s)] == 0).all())
+    assert torch.equal(lse, lse0)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", [128, 512])
 def test_sink_varlen(arch, head_dim, record_errors):
     q, k, v, cu_q, cu_k, g = varlen_inputs([0, 130, 1, 300], [5, 400, 0, 300], 64, 1, head_dim, torch.bfloat16,
                                            kv_shared=head_dim == 512, pad=2)
@@ -98,6 +118,24 @@ def test_merge_of_disjoint_key_sets(arch, head_dim, with_sink, record_errors):
     tol = O_REL[q.dtype]
     assert e.within(2 * tol, 6 * tol), e  # two roundings to bf16 (each side, then the merge)
     assert (lse.double() - lse_ref).abs().max().item() <= 2 * LSE_ABS
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_apply_sink_after_merge_with_infinite_sinks(arch):
+    """Both sides empty for request 0: the merge gives O = 0, LSE = -inf, and apply_sink keeps O = 0
+    for sinks of -inf and +inf (no NaN); non-empty rows: -inf changes nothing, +inf gives 0."""
+    q, k, v, g = attention_inputs(2, 50, 100, 6, 1, 128, torch.bfloat16)
+    none = torch.tensor([0, 100], dtype=torch.int32, device="cuda")
+    s = sinks_with_infinities(6, g)
+    o1, l1 = stage.forward(q, k[:, :40], v[:, :40], seqused_k=none.clamp(max=40))
+    o2, l2 = stage.forward(q, k[:, 40:], v[:, 40:], seqused_k=(none - 40).clamp(min=0))
+    o_merged, lse_merged = stage.merge_attention(o1, l1, o2, l2)
+    o = stage.apply_sink(o_merged, lse_merged, s)
+    o_ref, _ = reference(q, k, v, seqused_k=none, learnable_sink=s)
+    assert bool(torch.isfinite(o).all()) and bool((o[0] == 0).all())
+    assert bool((o[:, :, torch.isposinf(s)] == 0).all())
+    e = errors(o, o_ref)
+    assert e.within(2 * O_REL[q.dtype], 6 * O_REL[q.dtype]), e
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

@@ -75,28 +75,43 @@ def test_checker_rejects_the_token_as_head():
     assert not torch.equal(got, plain_heads(2, 300, 8))
 
 
+@pytest.mark.proof
 def test_scale_is_the_sigmoid_and_empty_rows_stay_zero():
-    """1 / (1 + e^{sink - LSE}) for finite LSE; LSE = -inf (a row with no key) gives 0."""
+    """The correction thread's scale, row_scale(1, LSE, sink), on every (LSE, sink) corner of
+    ``sink_cases.PAIRS``: 1 / (1 + e^{sink - LSE}) for a finite LSE (1 for sink -inf, 0 for +inf);
+    LSE = -inf (a row with no key) gives 0 for any sink. Negative control: the bare sigmoid as the
+    scale is rejected (NaN at LSE = sink = -inf)."""
+    from sink_cases import PAIRS, bare_sigmoid_factor, factor
+
     from dsv4_attention.common import jit
     from dsv4_attention.common.arch import GPU_ARCH, target_arch
 
-    kernel = make(FlashAttentionD5Sm100, 1)
+    class BareSigmoid(FlashAttentionD5Sm100):
+        @cute.jit
+        def row_scale(self, inv_row_sum, lse, mSink, q_row, h):
+            return inv_row_sum * bare_sigmoid_factor(lse, mSink[h * self.pack_group + q_row % self.pack_group])
 
-    @cute.jit
-    def host(sink: cute.Tensor, lse: cute.Tensor, out: cute.Tensor):
-        for i in cutlass.range(out.shape[0], unroll=1):
-            out[i] = kernel.row_scale(Float32(1.0), lse[i], sink, Int32(0), Int32(0))
+    def scales(cls):
+        kernel = make(cls, 1)
 
-    sink = torch.tensor([1.5], dtype=torch.float32)
-    lse = torch.tensor([0.0, 1.5, 40.0, -40.0, -math.inf], dtype=torch.float32)
-    out = torch.zeros(5, dtype=torch.float32)
-    with target_arch("sm100"):
-        fn = cute.compile(host, *(jit.as_cute(t) for t in (sink, lse, out)),
-                          options=f"--gpu-arch={GPU_ARCH['sm100']}")
-    fn(*(jit.as_cute(t) for t in (sink, lse, out)))
-    want = torch.sigmoid(lse - 1.5)
-    assert torch.allclose(out, want, rtol=1e-5, atol=1e-30), (out, want)
-    assert out[-1] == 0.0
+        @cute.jit
+        def host(sink: cute.Tensor, lse: cute.Tensor, out: cute.Tensor):
+            for i in cutlass.range(out.shape[0], unroll=1):
+                out[i] = kernel.row_scale(Float32(1.0), lse[i], sink, Int32(0), Int32(i))
+
+        lse = torch.tensor([p[0] for p in PAIRS], dtype=torch.float32)
+        sink = torch.tensor([p[1] for p in PAIRS], dtype=torch.float32)  # head i's sink: pair i's
+        out = torch.full((len(PAIRS),), float("nan"), dtype=torch.float32)
+        with target_arch("sm100"):
+            fn = cute.compile(host, *(jit.as_cute(t) for t in (sink, lse, out)),
+                              options=f"--gpu-arch={GPU_ARCH['sm100']}")
+        fn(*(jit.as_cute(t) for t in (sink, lse, out)))
+        return [(p, got) for p, got in zip(PAIRS, out.tolist(), strict=True)
+                if not (math.isfinite(got) and abs(got - factor(*p)) <= 2e-6 * factor(*p) + 1e-30)]
+
+    assert scales(FlashAttentionD5Sm100) == []
+    bad = scales(BareSigmoid)
+    assert bad and all(p == (-math.inf, -math.inf) for p, _ in bad), bad
 
 
 CASES = [

@@ -42,6 +42,8 @@ TOKENS = 3  # query tokens: with g = 1 part of one tile, with g = 128 three tile
 
 
 def kernel_class(wrong: str | None):
+    from sink_cases import bare_sigmoid_factor
+
     from dsv4_attention.common.softmax import sink_factor
     from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
 
@@ -49,7 +51,8 @@ def kernel_class(wrong: str | None):
         return FlashAttentionD5Sm90
 
     class WrongHead(FlashAttentionD5Sm90):
-        """Wrong on purpose: the sink indexed by the token (r // g) or by the KV head alone."""
+        """Wrong on purpose: the sink indexed by the token (r // g) or by the KV head alone, or the
+        bare sigmoid (no empty-row case)."""
 
         @cute.jit
         def row_scale(self, inv_sum, lse, mSink, tScS, m_block, head):
@@ -57,8 +60,11 @@ def kernel_class(wrong: str | None):
             g = self.pack_group
             for i in cutlass.range_constexpr(cute.size(inv_sum)):
                 r = m_block * self.tile_m + rows_c[i, 0][0]
-                q_head = head * g + r // g if cutlass.const_expr(wrong == "token") else head
-                inv_sum[i] = inv_sum[i] * sink_factor(lse[i], mSink[q_head % mSink.shape[0]])
+                if cutlass.const_expr(wrong == "bare_sigmoid"):
+                    inv_sum[i] = inv_sum[i] * bare_sigmoid_factor(lse[i], mSink[head * g + r % g])
+                else:
+                    q_head = head * g + r // g if cutlass.const_expr(wrong == "token") else head
+                    inv_sum[i] = inv_sum[i] * sink_factor(lse[i], mSink[q_head % mSink.shape[0]])
 
     return WrongHead
 
@@ -109,13 +115,17 @@ def runner(name: str, wrong: str | None = None):
     return kernel, fn, bufs
 
 
-def mismatches(name: str, wrong: str | None = None) -> list:
+def mismatches(name: str, wrong: str | None = None, infinite: bool = False) -> list:
+    """``infinite``: a third of the heads' sinks -inf and a third +inf (FlashMLA's draw), so every
+    empty row (every fifth) meets sinks of -inf, +inf and finite ones."""
     from cutlass.cute.runtime import from_dlpack
 
     kernel, fn, (out, rows_out, sink, inv_in, lse_in) = runner(name, wrong)
     g = kernel.pack_group
     gen = torch.Generator().manual_seed(5)
     sink.copy_(torch.randn(HK * g, generator=gen) * 2)
+    if infinite:
+        sink[0::3], sink[1::3] = -math.inf, math.inf
     for row in range(kernel.tile_m):
         inv_in[row], lse_in[row] = row_input(row)
     bad = []
@@ -138,10 +148,13 @@ def mismatches(name: str, wrong: str | None = None) -> list:
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_sink_factor_reaches_each_rows_query_head(name):
-    assert mismatches(name) == []
+@pytest.mark.parametrize("infinite", [False, True], ids=["finite", "inf_sinks"])
+def test_sink_factor_reaches_each_rows_query_head(name, infinite):
+    assert mismatches(name, infinite=infinite) == []
 
 
-@pytest.mark.parametrize("wrong", ["token", "kv_head"])
+@pytest.mark.parametrize("wrong", ["token", "kv_head", "bare_sigmoid"])
 def test_checker_rejects_a_sink_read_at_the_wrong_head(wrong):
-    assert mismatches("rows-g8", wrong)
+    """bare_sigmoid: the right head, but the factor without its empty-row case (NaN where a row
+    with no key meets a sink of -inf): rejected with infinite sinks."""
+    assert mismatches("rows-g8", wrong, infinite=wrong == "bare_sigmoid")

@@ -2,6 +2,8 @@
 (one gathered index list per token) and against the exact merge of its two halves; the compressed
 entries' validation; the FLOP count; the sm90 kernel's compile budgets."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -109,6 +111,19 @@ def test_topk_needs_whole_tiles_of_one_token():
     with pytest.raises(ValueError, match="multiple"):
         check_topk(torch.zeros(2, 5, 4, dtype=torch.int32), q, 8, 32, 64, "sm90")
     check_topk(torch.full((2, 5, 4), -1, dtype=torch.int32), q, 8, 128, 64, "sm90")  # -1 everywhere is legal
+
+
+def test_topk_64_heads_fill_half_an_sm100_tile():
+    """sm100 serves a token's 64 heads in its 128-row tile, padded (stages/e_fused/sm100.py); other
+    groups below the tile stay refused there, and sm90's 128-row tiles do not pad."""
+    idx = torch.zeros(2, 5, 4, dtype=torch.int32)
+    q = kv_like(2, 5, 64, 512)
+    check_topk(idx, q, 8, 64, 128, "sm100")
+    for group in (32, 96, 192):
+        with pytest.raises(ValueError, match="multiple of the sm100 kernel's 128-row tile or 64"):
+            check_topk(idx, q, 8, group, 128, "sm100")
+    with pytest.raises(ValueError, match="multiple of the sm90 kernel's 128-row tile$"):
+        check_topk(idx, q, 8, 64, 128, "sm90")
 
 
 def test_fused_reference_is_the_merge_of_its_halves():
@@ -321,3 +336,227 @@ def test_varlen_positions_start_over_at_each_request():
         check_positions(pos, 1, 6, torch.device("cpu"), request_starts=[0, 2])
     with pytest.raises(ValueError, match="non-decreasing"):  # batched: no request starts
         check_positions(pos, 1, 6, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------
+# Strided inputs (issue 41): every layout the copy engines read reaches the launch in place, as
+# FlashMLA's test passes them (views into buffers padded in every dim); what they cannot read is
+# refused before, naming the tensor and the stride. The launch is intercepted (no GPU): the
+# architecture query answers sm90 or sm100 and ``jit.stage_kernel`` hands back the kernel's
+# arguments instead of compiling.
+
+
+class ReachedLaunch(Exception):
+    pass
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """``launch(arch, fn, *args, **kw)``: run ``fn`` with the device taken for ``arch``; returns
+    (the kernel's arguments by name, its compile-time options) where the kernel would have run."""
+    from dsv4_attention.common import call_plan, interface, jit
+
+    names = ["q", "k", "v", "o", "lse", "scale_log2", "stream", *interface.MASK_ARGS]
+    arch = ["sm90"]
+
+    def stage_kernel(stage_id, kernels, a, dtype, head_dim, args, options=None):
+        raise ReachedLaunch(dict(zip(names, args, strict=True)), dict(options or {}))
+
+    monkeypatch.setattr(interface, "arch_of_device", lambda device: arch[0])
+    monkeypatch.setattr(jit, "stage_kernel", stage_kernel)
+    call_plan.clear()
+
+    def run(a, fn, *args, **kw):
+        arch[0] = a
+        with pytest.raises(ReachedLaunch) as e:
+            fn(*args, **kw)
+        return e.value.args
+
+    yield run
+    call_plan.clear()
+
+
+def flashmla_inputs(s_q=6, s_kv=40, heads=128, topk=24):
+    """q [s_q, heads, 512], kv [s_kv, 1, 512] bf16 and indices [s_q, 1, topk] int32, each a view
+    into a buffer padded in every dim (FlashMLA's kernelkit.non_contiguousify)."""
+    from dsv4_attention.common.testing import padded_view
+
+    g = torch.Generator().manual_seed(11)
+    q = padded_view(torch.randn(s_q, heads, 512, generator=g).bfloat16())
+    kv = padded_view(torch.randn(s_kv, 1, 512, generator=g).bfloat16())
+    idx = padded_view(torch.randint(-1, s_kv, (s_q, 1, topk), generator=g, dtype=torch.int32))
+    return q, kv, idx
+
+
+def in_place(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """``view`` reads ``t``'s own memory: the same storage and first element, the same values."""
+    return (view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            and view.data_ptr() == t.data_ptr() and torch.equal(view.reshape(t.shape), t))
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_index_mode_takes_flashmla_strided_inputs_in_place(launch, arch):
+    q, kv, idx = flashmla_inputs()
+    assert kv.stride() == (1280, 640, 1) and q.stride() == (129 * 640, 640, 1) and idx.stride()[2] == 1
+    for check in (True, False):
+        args, options = launch(arch, stage.index_attention, q, kv, idx, softmax_scale=0.5, check_indices=check)
+        kv4 = args["compressed_kv"]
+        assert args["k"] is kv4 and args["v"] is kv4, "K, V and the gathered rows are one tensor"
+        assert in_place(kv4, kv) and kv4.shape == (1, 40, 1, 512) and kv4.stride()[1:] == kv.stride()
+        assert in_place(args["q"], q) and args["q"].stride()[1:] == q.stride()
+        assert torch.equal(args["topk_indices"][0], idx[:, 0]) and args["compress_ratio"] == 1
+        assert options["index_mode"] and options["has_topk"] and options["kv_shared"]
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_index_mode_reads_no_stride_of_kvs_middle_dim(launch, arch):
+    """kv's extent-1 middle dim is never stepped: any stride there is taken (here 3 elements, 6
+    bytes, which TMA could not take as a stride), the launch getting the row stride in its place."""
+    q, kv, idx = flashmla_inputs()
+    odd = kv.as_strided(kv.shape, (kv.stride(0), 3, 1))
+    args, _ = launch(arch, stage.index_attention, q, odd, idx)
+    assert in_place(args["compressed_kv"], kv) and args["compressed_kv"].stride()[1:] == (1280, 1280, 1)
+
+
+def compressed_layout(layout: str, batch: int, n: int, hk: int, d: int = 512) -> torch.Tensor:
+    """[batch, n, hk, d] bf16 compressed entries: ``dense``; ``flashmla``: padded in every dim;
+    ``rows``: only each entry's row padded (+ 128 columns, one kv head: the batch stride stays
+    entries x the entry stride); ``heads``: each kv head padded (+ 64 columns)."""
+    from dsv4_attention.common.testing import padded_view
+
+    c = torch.randn(batch, n, hk, d, generator=torch.Generator().manual_seed(batch * 100 + hk)).bfloat16()
+    if layout == "dense":
+        return c
+    if layout == "flashmla":
+        return padded_view(c)
+    nan = float("nan")
+    if layout == "rows":  # strides (n (hk d + 128), hk d + 128, d, 1)
+        view = torch.full((batch, n, hk * d + 128), nan, dtype=torch.bfloat16)[..., :hk * d].view(batch, n, hk, d)
+    else:  # heads: strides (n hk (d + 64), hk (d + 64), d + 64, 1)
+        view = torch.full((batch, n, hk, d + 64), nan, dtype=torch.bfloat16)[..., :d]
+    view.copy_(c)
+    return view
+
+
+#: (layout, batch, kv heads) -> the sm100 refusal's match, or None where both archs read it
+TOPK_LAYOUTS = {
+    ("flashmla", 1, 1): None,  # FlashMLA's padding, one batch entry: any entry stride
+    ("rows", 2, 1): None,  # padded rows, dense batches
+    ("dense", 2, 2): None,
+    ("flashmla", 2, 1): "batch stride",  # the padding row between batch entries: sm100's 2D view misses it
+    ("heads", 1, 2): "kv-head stride",  # padded kv heads: sm100's row of hk x d columns misses them
+}
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("layout,batch,hk", list(TOPK_LAYOUTS), ids=[f"{a}-b{b}-hk{h}" for a, b, h in TOPK_LAYOUTS])
+def test_topk_takes_strided_compressed_kv_in_place(launch, arch, layout, batch, hk):
+    """forward(..., compressed_kv=strided, topk_indices=...): sm90's gather addresses each row by the
+    tensor's own strides, so it takes every layout in place; sm100's gather4 reads one 2D view and
+    refuses, before launch and naming the stride, the layouts that view would misread (see
+    test_sm100_gather_view_reads_exactly_the_layouts_the_check_accepts)."""
+    from dsv4_attention.common.testing import padded_view
+
+    sq, n, heads = 5, 30, 128 * hk
+    g = torch.Generator().manual_seed(4)
+    q = padded_view(torch.randn(batch, sq, heads, 512, generator=g).bfloat16())
+    kv = padded_view(torch.randn(batch, 50, hk, 512, generator=g).bfloat16())
+    ckv = compressed_layout(layout, batch, n, hk)
+    idx = padded_view(torch.randint(-1, n, (batch, sq, 8), generator=g, dtype=torch.int32))
+    kw = {"compressed_kv": ckv, "compress_ratio": 4, "topk_indices": idx, "causal": True, "window_size": (127, 0)}
+    refused = TOPK_LAYOUTS[(layout, batch, hk)] if arch == "sm100" else None
+    if refused:
+        with pytest.raises(ValueError, match=f"compressed_kv's {refused}"):
+            launch(arch, stage.forward, q, kv, **kw)
+        return
+    args, options = launch(arch, stage.forward, q, kv, **kw)
+    assert args["compressed_kv"] is ckv and args["k"] is kv and args["q"] is q and args["topk_indices"] is idx
+    assert options["has_topk"] and options["kv_shared"]
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_unreadable_layouts_are_refused_naming_why(launch, arch):
+    """What no copy engine reads, refused before launch with the tensor, the dim and the stride:
+    a row stride that is not a whole number of 16-byte units, a last dim that is not contiguous, a
+    data pointer off 16 bytes; in index mode (kv, q) and as compressed_kv."""
+    q, kv, idx = flashmla_inputs()
+    s_kv = kv.shape[0]
+
+    def offset_by_one(t):  # the same shape, one element past a 16-byte boundary
+        return torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+
+    index_cases = [
+        ((q, torch.zeros(s_kv, 1, 516, dtype=torch.bfloat16)[..., :512], idx),
+         r"kv stride of dim 0 must be a multiple of 16 bytes .*row stride is 516 elements = 1032 bytes"),
+        ((q, torch.zeros(s_kv, 1, 1024, dtype=torch.bfloat16)[..., ::2], idx), r"kv must have d contiguous"),
+        ((q, offset_by_one(kv), idx), r"kv data pointer must be 16-byte aligned"),
+        ((torch.zeros(6, 128, 516, dtype=torch.bfloat16)[..., :512], kv, idx),
+         r"q stride of dim 1 must be a multiple of 16 bytes .*head stride is 516 elements"),
+        ((torch.zeros(6, 128, 1024, dtype=torch.bfloat16)[..., ::2], kv, idx), r"q must have d contiguous"),
+    ]
+    for args, match in index_cases:
+        with pytest.raises(ValueError, match=match):
+            launch(arch, stage.index_attention, *args)
+    qf, kvf = torch.zeros(1, 5, 128, 512, dtype=torch.bfloat16), torch.zeros(1, 50, 1, 512, dtype=torch.bfloat16)
+    idx4 = torch.zeros(1, 5, 8, dtype=torch.int32)
+    compressed_cases = [
+        (torch.zeros(1, 30, 1, 516, dtype=torch.bfloat16)[..., :512],
+         r"compressed_kv stride of dim 1 must be a multiple of 16 bytes .*entry stride is 516 elements"),
+        (torch.zeros(1, 30, 1, 1024, dtype=torch.bfloat16)[..., ::2], r"compressed_kv must have head_dim contiguous"),
+        (offset_by_one(torch.zeros(1, 30, 1, 512, dtype=torch.bfloat16)), r"compressed_kv data pointer"),
+    ]
+    for ckv, match in compressed_cases:
+        for topk in (idx4, None):
+            with pytest.raises(ValueError, match=match):
+                launch(arch, stage.forward, qf, kvf, compressed_kv=ckv, compress_ratio=4, topk_indices=topk)
+
+
+@pytest.mark.proof
+@pytest.mark.arch("sm100")
+def test_sm100_gather_view_reads_exactly_the_layouts_the_check_accepts():
+    """Proof (host, the kernel's own builder): ``common.sm100_kv.gather_view`` traced on the
+    compressed entries' real layouts ([batch, entries, kv_heads, head_dim] torch strides, seq_major
+    as the kernel takes them); the 2D row and column it gives entry j of batch b, kv head hk, column
+    x (row b * entries + j, column hk * head_dim + x) must address the tensor's element (b, j, hk, x),
+    for every coordinate, exactly where ``validation.check_gather_layout(.., 'sm100')`` accepts the
+    layout. The refused layouts are the negative control: the same checker finds them misread."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from dsv4_attention.common.layout_proof import trace
+    from dsv4_attention.common.layouts import seq_major
+    from dsv4_attention.common.sm100_kv import gather_view
+    from dsv4_attention.common.validation import check_gather_layout
+
+    d = 64
+    layouts = [(layout, b, hk) for layout in ("dense", "flashmla", "rows", "heads") for b in (1, 2) for hk in (1, 2)]
+    tensors = [compressed_layout(layout, b, 3, hk, d) for layout, b, hk in layouts]
+
+    def coords(shape):
+        b, n, hk, d = shape
+        return list(itertools.product(range(b), range(n), range(hk), (0, 1, d - 1)))
+
+    def body(cases):
+        out = []
+        for shape, stride in cases:
+            ptr = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.gmem, assumed_align=16)
+            rows_2d, _ = gather_view(seq_major(cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))), 128)
+            n, d = shape[1], shape[3]
+            extent = [int(e) for e in rows_2d.shape]
+            out.append({c: (int(cute.crd2idx((c[0] * n + c[1], c[2] * d + c[3]), rows_2d.layout)),
+                            c[0] * n + c[1] < extent[0] and c[2] * d + c[3] < extent[1]) for c in coords(shape)})
+        return out
+
+    got = trace(body, [(tuple(t.shape), tuple(t.stride())) for t in tensors])
+    verdicts = {}
+    for (layout, b, hk), t, offsets in zip(layouts, tensors, got, strict=True):
+        want = {c: (sum(i * s for i, s in zip(c, t.stride(), strict=True)), True) for c in coords(t.shape)}
+        try:
+            check_gather_layout(t, "sm100")
+            accepted = True
+        except ValueError:
+            accepted = False
+        verdicts[(layout, b, hk)] = (accepted, offsets == want)
+    assert all(accepted == exact for accepted, exact in verdicts.values()), verdicts
+    assert sum(not a for a, _ in verdicts.values()) >= 3, "negative control: some layouts must be misread"
+    assert all(a for (layout, b, hk), (a, _) in verdicts.items() if b == 1 and hk == 1), "one batch, one head: any"

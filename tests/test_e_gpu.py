@@ -26,9 +26,11 @@ from dsv4_attention.common.testing import (
     errors,
     fresh_generator,
     gpu_arch_params,
+    padded_view,
     random_bshd,
     random_index_lists,
     run_compute_sanitizer,
+    sinks_with_infinities,
     varlen_inputs,
 )
 from dsv4_attention.stages import e_fused as stage
@@ -93,6 +95,59 @@ def test_empty_rows_and_lengths(arch, dtype, record_errors):
     check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch,
                     options={"compressed_kv": entries(2, 40, 256, g, dtype), "compress_ratio": 4, "seqused_k": n,
                              "causal": True, "window_size": (15, 0), "learnable_sink": sink(8, g)})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+def test_infinite_sinks_on_empty_and_full_rows(arch, mode, record_errors):
+    """The V4 layer call with FlashMLA's sink draw (a third of the heads -inf, a third +inf): request 0
+    has no key and no entry (seqused_k 0), request 1 keys and entries (HCA: all visible, CSA: top-k
+    lists with -1 padding). Against the reference; O = 0 on every empty row for any sink and on
+    every head whose sink is +inf; LSE bitwise that of the call without a sink."""
+    heads = 128
+    q, kv, _, g = attention_inputs(2, 130, 300, heads, 1, 512, torch.bfloat16, kv_shared=True)
+    ratio = 128 if mode == "hca" else 4
+    opts = {"compressed_kv": entries(2, 300 // ratio, 512, g), "compress_ratio": ratio, "causal": True,
+            "window_size": (127, 0), "seqused_k": torch.tensor([0, 300], dtype=torch.int32, device="cuda")}
+    if mode == "csa":
+        opts["topk_indices"] = torch.stack([random_index_lists(130, 40, 75, g, pad=0.2) for _ in range(2)]).cuda()
+    s = sinks_with_infinities(heads, g)
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options={**opts, "learnable_sink": s})
+    o, lse = stage.forward(q, kv, learnable_sink=s, **opts)
+    _, lse0 = stage.forward(q, kv, **opts)
+    assert bool(torch.isfinite(o).all())
+    assert bool((o[0] == 0).all()) and bool((o[:, :, torch.isposinf(s)] == 0).all())
+    assert torch.equal(lse, lse0)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("heads", [64, 128])
+def test_index_mode_infinite_sinks_on_empty_rows(arch, heads, record_errors):
+    """Index mode with FlashMLA's sink draw: rows of topk_length 0 and rows whose every index is -1
+    or out of range (unchecked) are empty: O = 0, LSE = -inf for sinks of -inf, +inf and finite;
+    the rest against the spec's reference; +inf heads O = 0; LSE bitwise that of the call without."""
+    T, N, k = 90, 700, 200
+    g = fresh_generator()
+    q = random_bshd(1, T, heads, 512, torch.bfloat16, "cuda", generator=g)[0]
+    kv = random_bshd(1, N, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
+    idx = random_index_lists(T, k, N, g, pad=0.1)
+    idx[1] = -1
+    idx[2] = N + 5  # out of range: read as -1 with check_indices=False
+    length = torch.randint(0, k + 1, (T,), generator=g).int()
+    length[0], length[1], length[2] = 0, k, k
+    s = sinks_with_infinities(heads, g)
+    o = torch.full_like(q, float("nan"))
+    _, lse = stage.index_attention(q, kv, idx[:, None].cuda(), topk_length=length.cuda(), attn_sink=s, out=o,
+                                   check_indices=False)
+    _, lse0 = stage.index_attention(q, kv, idx[:, None].cuda(), topk_length=length.cuda(), check_indices=False)
+    o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], torch.where(idx < N, idx, -1).cuda(), length.cuda(), s)
+    e = errors(o, o_ref)
+    record_errors(e, arch=arch, case="index mode, infinite sinks", heads=heads)
+    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+    empty = torch.isneginf(lse_ref)
+    assert bool(empty[:3].all()) and bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
+    assert bool((o[:, torch.isposinf(s)] == 0).all())
+    assert torch.equal(lse, lse0)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
@@ -206,9 +261,10 @@ def test_topk_entries(arch, head_dim, k, heads, record_errors):
     q, kv, _, g = attention_inputs(2, sq, sq, heads, 1, head_dim, torch.bfloat16, kv_shared=True)
     n_c = max(k, sq // 4 + 20)
     ckv = entries(2, n_c, head_dim, g)
-    if heads == 64 and not (arch == "sm90" and head_dim == 512):
-        # only sm90's head-dim-512 tiles hold 64 rows: elsewhere one token's 64 heads do not fill a
-        # 128-row tile, and the kernel gathers one token's list per tile: refused before launch
+    if heads == 64 and arch == "sm90" and head_dim != 512:
+        # sm90's 128-row tiles below head dim 512 do not pad: one token's 64 heads do not fill one, and
+        # the kernel gathers one token's list per tile: refused before launch (sm100 pads its 128-row
+        # tile: rows 64 .. 127 computed, never stored; sm90's head-dim-512 tiles hold 64 rows)
         with pytest.raises(ValueError, match="multiple"):
             stage.forward(q, kv, compressed_kv=ckv, compress_ratio=4, topk_indices=topk_lists(2, sq, k, n_c, g))
         return
@@ -363,10 +419,7 @@ def test_index_mode_is_the_spec_function(arch, heads, k, record_errors):
     length = torch.randint(0, k + 1, (T,), generator=g).int()
     length[:3] = torch.tensor([0, k, 1])
     s = sink(heads, g)
-    if heads == 64 and arch != "sm90":  # only sm90's head-dim-512 tiles hold 64 rows: refused before launch
-        with pytest.raises(ValueError, match="multiple"):
-            stage.index_attention(q, kv, idx[:, None].cuda(), topk_length=length.cuda(), attn_sink=s)
-        return
+    # 64 heads: sm90's head-dim-512 tiles hold 64 rows; sm100 serves them in a padded 128-row tile
     o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     _, lse = stage.index_attention(q, kv, idx[:, None].cuda(), topk_length=length.cuda(), attn_sink=s, out=o)
     o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], idx.cuda(), length.cuda(), s)
@@ -390,6 +443,69 @@ def test_index_mode_refuses_bad_input(arch):
                             ((q[:, :32], kv, idx), {}, "multiple"), ((q, kv[:, 0], idx), {}, "rank-3")]:
         with pytest.raises(ValueError, match=match):
             stage.index_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_index_mode_reads_flashmla_strided_inputs(arch, record_errors):
+    """FlashMLA's layouts (its test's kernelkit.non_contiguousify): q, kv and indices views into
+    buffers padded in every dim (each + 1, the last + 128; kv's strides (1280, 640, 1)), the padding
+    NaN (and 2^30 in the lists): read in place, against the spec's reference, and bitwise the
+    result of the same values passed contiguous, lists checked or not."""
+    T, N, k, heads = 150, 900, 200, 128
+    g = fresh_generator()
+    q = random_bshd(1, T, heads, 512, torch.bfloat16, "cuda", generator=g)[0]
+    kv = random_bshd(1, N, 1, 512, torch.bfloat16, "cuda", generator=g)[0]
+    idx = random_index_lists(T, k, N, g, pad=0.1)[:, None].cuda()
+    length = torch.randint(0, k + 1, (T,), generator=g).int().cuda()
+    s = sink(heads, g)
+    qs, kvs, idxs = padded_view(q), padded_view(kv), padded_view(idx)
+    assert kvs.stride() == (1280, 640, 1) and not qs.is_contiguous() and not idxs.is_contiguous()
+    o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    _, lse = stage.index_attention(qs, kvs, idxs, topk_length=length, attn_sink=s, out=o)
+    o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], idx[:, 0], length, s)
+    e = errors(o, o_ref)
+    record_errors(e, arch=arch, case="index mode, FlashMLA's strided inputs", heads=heads, k=k)
+    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+    empty = torch.isneginf(lse_ref)
+    assert bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
+    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+    o_dense, lse_dense = stage.index_attention(q, kv, idx, topk_length=length, attn_sink=s)
+    assert torch.equal(o, o_dense) and torch.equal(lse, lse_dense)
+    o_unchecked, lse_unchecked = stage.index_attention(qs, kvs, idxs, topk_length=length, attn_sink=s,
+                                                       check_indices=False)
+    assert torch.equal(o_unchecked, o_dense) and torch.equal(lse_unchecked, lse_dense)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("layout", ["flashmla-b1", "rows-b2", "flashmla-b2"])
+def test_topk_reads_strided_compressed_kv(arch, layout, record_errors):
+    """DeepSeek-V4's CSA layer on strided tensors: ``flashmla``: q, kv, compressed_kv and the lists
+    padded in every dim as FlashMLA's test pads them (the padding NaN / 2^30); ``rows``: only the
+    compressed rows padded (+ 128 columns: the batch stride stays entries x the entry stride). Read
+    in place: against the float64 reference and bitwise the call on the same values contiguous.
+    sm100's gather reads one 2D view of the entries, which a padded batch does not fit: refused
+    before launch there (common/validation.check_gather_layout)."""
+    batch = int(layout[-1])
+    sq, heads, n_c, k = 133, 128, 60, 64
+    q, kv, _, g = attention_inputs(batch, sq, sq, heads, 1, 512, torch.bfloat16, kv_shared=True)
+    ckv = entries(batch, n_c, 512, g)
+    idx = topk_lists(batch, sq, k, n_c, g)
+    kw = {"compress_ratio": 4, "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)}
+    if layout.startswith("flashmla"):
+        qs, kvs, ckvs, idxs = (padded_view(t) for t in (q, kv, ckv, idx))
+    else:
+        qs, kvs, idxs = q, kv, idx
+        ckvs = torch.full((batch, n_c, 640), float("nan"), dtype=ckv.dtype, device="cuda")[..., :512]
+        ckvs = ckvs.view(batch, n_c, 1, 512).copy_(ckv)
+    strided = {"compressed_kv": ckvs, "topk_indices": idxs, **kw}
+    if arch == "sm100" and layout == "flashmla-b2":
+        with pytest.raises(ValueError, match="compressed_kv's batch stride"):
+            stage.forward(qs, kvs, **strided)
+        return
+    check_attention(stage.forward, qs, kvs, kvs, record_errors, g, arch=arch, layout=layout, options=strided)
+    o, lse = stage.forward(qs, kvs, **strided)
+    o_dense, lse_dense = stage.forward(q, kv, compressed_kv=ckv, topk_indices=idx, **kw)
+    assert torch.equal(o, o_dense) and torch.equal(lse, lse_dense)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
@@ -450,14 +566,17 @@ def packed_entries(counts, visible, head_dim, g, pad=0):
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("mode", ["hca", "csa"])
 @pytest.mark.parametrize("layout", ["derived", "given"])
-def test_varlen_requests(arch, mode, layout, record_errors):
+@pytest.mark.parametrize("heads", [128, 64])
+def test_varlen_requests(arch, mode, layout, heads, record_errors):
     """DeepSeek-V4 requests of different lengths in one variable-length batch (prefill longer and
     shorter than its keys, decode, a request with no query, one with no entry): each request sees
     its own window and its own compressed entries, packed like its tokens. ``derived``: floor(keys
     / ratio) entries a request (no cu_seqlens_compressed); ``given``: cu_seqlens_compressed with
     entries past what any token of the request sees (100-valued). Each request against its own
-    float64 reference; rows past the batch never written."""
-    q_lens, k_lens, heads = [130, 2, 0, 257, 64, 3], [1100, 700, 50, 257, 3, 900], 128
+    float64 reference; rows past the batch never written. 64 heads (DeepSeek-V4-Flash): csa on
+    sm100 runs a padded tile a token, whose padding rows (the next request's first token) are never
+    stored."""
+    q_lens, k_lens = [130, 2, 0, 257, 64, 3], [1100, 700, 50, 257, 3, 900]
     q, kv, _, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, heads, 1, 512, torch.bfloat16, kv_shared=True, pad=5)
     ratio = 4 if mode == "csa" else 128
     visible = [n // ratio for n in k_lens]
@@ -544,6 +663,9 @@ k8 = torch.randn(2, 150, 1, 128, device="cuda").bfloat16()
 stage.forward(q8, k8, compressed_kv=torch.randn(2, 9, 1, 128, device="cuda").bfloat16(), compress_ratio=16)
 idx = torch.randint(-1, 80, (2, 130, 200), device="cuda", dtype=torch.int32)
 stage.forward(q, kv, compressed_kv=c, compress_ratio=4, topk_indices=idx, causal=True, window_size=(127, 0))
+# 64 heads with lists (sm100: a padded tile a token, its last tile's padding rows past the tensor)
+stage.forward(q[:, :, :64].contiguous(), kv, compressed_kv=c, compress_ratio=4, topk_indices=idx, causal=True,
+              window_size=(127, 0), learnable_sink=torch.randn(64, device="cuda"))
 torch.cuda.synchronize()
 print("sanitized case ran")
 """

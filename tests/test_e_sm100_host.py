@@ -22,7 +22,11 @@ tiles, the TMA warp's source per tile, and the compile budgets.
    window tile not shifted by n_cmp.
 3. Seams: D1..D5 unchanged (no compressed source), the E kernel's options and refusals.
 4. Compile budgets (marked compile / slow): head dim 512 with every option of DeepSeek-V4's HCA
-   layer, and head dim 128.
+   layer, and head dim 128; 64 heads with lists (the padded tile).
+5. Top-k and index mode: the list masks and the gathered rows, run (64 heads included).
+6. 64 query heads with lists, one token a 128-row tile, rows 64 .. 127 padding: each tile row's Q
+   source, span list, O / LSE stores and sink, replayed for every CTA; negative controls (the old
+   two-tokens-a-tile map, padding rows stored).
 """
 
 from __future__ import annotations
@@ -432,6 +436,21 @@ def topk_lists(seqlen_q: int, k: int, entries: int, seed: int) -> torch.Tensor:
     return out
 
 
+def owned_packed_row(m_blk: int, row: int, g: int):
+    """The checker's own row map of a top-k Q tile (one token a tile, plain formula): packed row
+    m_blk * 128 + row (g a multiple of 128); g = 64 (sm100's padded tile), m_blk * 64 + row for the
+    token's heads, rows < 64, and None for the padding rows 64 .. 127 (never stored)."""
+    if g >= QK_TILE_M:
+        return m_blk * QK_TILE_M + row
+    return m_blk * g + row if row < g else None
+
+
+def topk_tiles(seqlen_q: int, g: int) -> int:
+    """The Q tiles of a top-k problem of one KV head by the checker's map: one token a tile (g >= 128:
+    g / 128 tiles a token)."""
+    return seqlen_q * g // min(g, QK_TILE_M)
+
+
 def topk_kept_triples(name: str, m_blk: int, case: dict, topk: torch.Tensor):
     """{(packed row, source, key): times kept} as ``kept_triples``, a compressed tile's column c of
     visit n being list position p = n T + c, its key the entry topk[token, p]."""
@@ -456,7 +475,9 @@ def topk_kept_triples(name: str, m_blk: int, case: dict, topk: torch.Tensor):
         t_idx, v_idx = torch.nonzero(vals == 0, as_tuple=True)
         for t, v in zip(t_idx.tolist(), v_idx.tolist(), strict=True):
             row, col = coords[t, v].tolist()
-            packed = m_blk * QK_TILE_M + row
+            packed = owned_packed_row(m_blk, row, g)
+            if packed is None:  # a padded tile's padding row: never stored
+                continue
             token = packed // g
             if n < n_cmp:
                 p = n * tile_n + col
@@ -481,10 +502,10 @@ def topk_mask_failures(name: str, case: dict, expect_index: bool | None = None) 
     left, right = (left if kernel.has_left else None), (right if kernel.has_right else None)
     topk = topk_lists(sq, k, entries, case.get("seed", 0))
     fails = []
-    for m_blk in range(sq * g // QK_TILE_M):
+    for m_blk in range(topk_tiles(sq, g)):
         kept, span = topk_kept_triples(name, m_blk, case, topk)
         want = set()
-        for r in range(m_blk * QK_TILE_M, (m_blk + 1) * QK_TILE_M):
+        for r in {owned_packed_row(m_blk, row, g) for row in range(QK_TILE_M)} - {None}:
             token = r // g
             if index:
                 want |= {(r, "c", int(topk[token, p])) for p in range(k) if 0 <= int(topk[token, p]) < entries}
@@ -528,6 +549,18 @@ class TopkPositionOffByOne(FlashAttentionESm100):
 
 
 TOPK_512 = dict(HCA_512, has_topk=True)
+TOPK_512_G64 = dict(TOPK_512, pack_group=64)
+INDEX_512_G64 = {"kv_shared": True, "pack_group": 64, "has_sink": True, "has_compressed": True, "has_topk": True,
+                 "index_mode": True}
+
+
+class TwoTokensPerTile(FlashAttentionESm100):
+    """Wrong: 64 heads packed as D2 packs them without lists, two tokens a 128-row tile (tile m: packed
+    rows 128 m ..), the tile gathering its first token's list and storing all 128 rows by TMA."""
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        self.owned_rows = QK_TILE_M
 TOPK_KERNELS = {
     "topk-hd512-g128": lambda: make_kernel(512, **TOPK_512),
     "topk-hd512-g256": lambda: make_kernel(512, **dict(TOPK_512, pack_group=256)),
@@ -537,6 +570,10 @@ TOPK_KERNELS = {
                                             has_topk=True, index_mode=True),
     "wrong-topk-count-ignored": lambda: make_kernel(512, cls=TopkCountIgnored, **TOPK_512),
     "wrong-topk-position-off-by-one": lambda: make_kernel(512, cls=TopkPositionOffByOne, **TOPK_512),
+    # 64 heads (DeepSeek-V4-Flash): one token a 128-row tile, rows 64 .. 127 padding (section 6)
+    "topk-hd512-g64": lambda: make_kernel(512, **TOPK_512_G64),
+    "index-hd512-g64": lambda: make_kernel(512, **INDEX_512_G64),
+    "wrong-g64-two-tokens-per-tile": lambda: make_kernel(512, cls=TwoTokensPerTile, **TOPK_512_G64),
 }
 TOPK_CASES = {  # entries / counts: tokens 994 .. 999 see 248 .. 250 of 300 entries; lists name all 300
     "topk-hd512-g128": [
@@ -552,6 +589,13 @@ TOPK_CASES = {  # entries / counts: tokens 994 .. 999 see 248 .. 250 of 300 entr
     "index-hd512-g128": [  # FlashMLA's semantics: lists of rows of one tensor, no window, no count
         dict(seqlen_q=6, seqlen_k=1000, window=(0, 0), ratio=1, entries=300, k=200, seed=7),
         dict(seqlen_q=3, seqlen_k=5, window=(0, 0), ratio=1, entries=100, k=70, seed=8),
+    ],
+    "topk-hd512-g64": [  # a padded tile a token: its 64 heads see its list and window
+        dict(seqlen_q=6, seqlen_k=1000, window=W127, ratio=4, entries=300, k=200, seed=11),
+        dict(seqlen_q=4, seqlen_k=3, window=W127, ratio=4, entries=20, k=70, seed=12),  # counts 0, 0, 0, 1
+    ],
+    "index-hd512-g64": [
+        dict(seqlen_q=5, seqlen_k=1000, window=(0, 0), ratio=1, entries=300, k=200, seed=13),
     ],
     "topk-hd128-g128": [  # 128-key tiles: 4 ballot words; causal only (window (0, 0) ignored on the left)
         dict(seqlen_q=4, seqlen_k=700, window=(0, 0), ratio=4, entries=300, k=200, seed=6),
@@ -634,12 +678,12 @@ def gathered_rows(head_dim: int, options: dict, case: dict, cls=FlashAttentionES
                           options=f"--gpu-arch={GPU_ARCH['sm100']}")
     got, want = {}, {}
     row0 = entries  # batch 1
-    for m_blk in range(sq * g // QK_TILE_M):
+    for m_blk in range(topk_tiles(sq, g)):
         fn(from_dlpack(out), from_dlpack(info), as_cute(topk),
            *[Int32(x) for x in (m_blk, sq * g, sk, ratio, entries, row0)])
         n_cmp = int(info[0])
         assert n_cmp == -(-k // tile_n) <= max_tiles
-        token = m_blk * QK_TILE_M // g
+        token = owned_packed_row(m_blk, 0, g) // g
         for tile in range(n_cmp):
             got[(m_blk, tile)] = out[tile].tolist()
             want[(m_blk, tile)] = [
@@ -655,6 +699,7 @@ GATHER_CASE = dict(seqlen_q=4, seqlen_k=1000, ratio=4, entries=300, k=200, seed=
 @pytest.mark.proof
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim,options", [(512, TOPK_512), (512, dict(TOPK_512, pack_group=256)),
+                                              (512, TOPK_512_G64),  # a padded tile a token: m's own list
                                               (128, {"kv_shared": True, "pack_group": 128, "has_compressed": True,
                                                      "has_topk": True})])
 def test_topk_gathered_rows_are_the_listed_entries(head_dim, options):
@@ -922,6 +967,10 @@ COMPILE_CASES = [
            "index_mode": True}),
     (128, {"kv_shared": True, "pack_group": 8, "has_right": True, "has_sink": True, "has_compressed": True}),
     (128, {"kv_shared": True, "pack_group": 128, "has_right": True, "has_compressed": True, "has_topk": True}),
+    # 64 heads with lists (DeepSeek-V4-Flash): the padded tile, one token a 128-row tile
+    (512, INDEX_512_G64),
+    (512, TOPK_512_G64),
+    (512, dict(TOPK_512_G64, has_positions=True, varlen=True)),
 ]
 
 
@@ -943,3 +992,245 @@ def test_index_mode_checker_rejects_the_other_mode():
     assert topk_mask_failures("topk-hd512-g128", topk_case, expect_index=True) != []
     index_case = dict(seqlen_q=6, seqlen_k=1000, window=(0, 0), ratio=4, entries=300, k=200, seed=7)
     assert topk_mask_failures("index-hd512-g128", index_case, expect_index=False) != []
+
+
+# ---------------------------------------------------------------------------------------
+# 6. 64 query heads (DeepSeek-V4-Flash) with top-k lists / index mode: the padded tile
+#
+# One token a 128-row Q tile: rows 0 .. 63 its 64 heads, rows 64 .. 127 padding (computed on the
+# next token's Q, or TMA's zeros past the last token; never stored). The masks and gathers of such
+# tiles are proven in section 5 (``topk-hd512-g64``, ``index-hd512-g64``, the gathered rows); here
+# the rest of each row's path, with the kernel's own code (``row_views``, ``q_tile_of``, ``q_tile``,
+# ``kv_span``, ``o_load`` / ``o_row_part``, ``o_tile``, ``o_by_tma`` / ``row_stored``,
+# ``packed_row``, ``lse_stored``, ``row_scale``) compiled into a host function and run on the CPU
+# over coordinate views of Q, O and LSE (an element of such a view is the (batch, token, head,
+# column) / (batch, head, token) it addresses), for every CTA of the grid: where each Q tile row
+# loads from, which token's list its span holds, where its O and LSE go (each correction thread
+# its own row, as the epilogue stores them: row by row on a padded tile, one TMA box otherwise,
+# rows past the tensor clipped) and whose sink it reads (sink[h] = ln(h + 1), LSE 0: the scale
+# 1 / (h + 2) names the head, as tests/test_d5_sm100_host.py reads it).
+
+
+def build_row_map_runner(kernel):
+    """A host function replaying, for every CTA, the Q load's rows, the span's list, the epilogue's
+    O / LSE stores and the sink each row reads (see the section's comment)."""
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.layouts import reorder, seq_major
+    from dsv4_attention.common.pack_heads import rows
+    from dsv4_attention.common.tmem import EPI_THREADS, placeholder_tmem_base
+    from dsv4_attention.stages.d1_smem_p.sm100 import LSE_ROW_MAJOR
+
+    o_cols = kernel.plan.o_cols
+
+    @cute.jit
+    def inside(crd, shape):
+        ok = (crd[0] >= 0) & (crd[0] < shape[0])
+        for i in cutlass.range_constexpr(1, len(shape)):
+            ok = ok & (crd[i] >= 0) & (crd[i] < shape[i])
+        return ok
+
+    @cute.jit
+    def host(count: cute.Tensor, who: cute.Tensor, lse_count: cute.Tensor, lse_who: cute.Tensor,
+             q_src: cute.Tensor, sink_head: cute.Tensor, span_list: cute.Tensor, topk: cute.Tensor,
+             sink: cute.Tensor, grid_x: Int32, seqlen_k: Int32):
+        ids = cute.make_identity_tensor(count.shape)
+        q, o, lse = kernel.row_views(seq_major(ids), seq_major(ids),
+                                     reorder(cute.make_identity_tensor(lse_count.shape), LSE_ROW_MAJOR))
+        tiled_o_load, _ = kernel.o_load(placeholder_tmem_base())
+        tile_ids = cute.make_identity_tensor((QK_TILE_M, o_cols))
+        for b in cutlass.range(count.shape[0], unroll=1):
+            for h in cutlass.range(q.shape[2], unroll=1):
+                n_rows = rows(q)  # g heads x seqlen_q tokens, as request_views gives it
+                for bx in cutlass.range(grid_x, unroll=1):
+                    m_blk, half = kernel.q_tile_of(bx, grid_x)
+                    tag0 = ((b * q.shape[2] + h) * grid_x + bx) * QK_TILE_M
+                    # the TMA warp's Q box: row r of the tile, column 0
+                    tiles, index = kernel.q_tile(q, m_blk, h, b)
+                    for r in cutlass.range(QK_TILE_M, unroll=1):
+                        crd = tiles[r, 0, index]
+                        q_src[tag0 + r, 0] = crd[1]
+                        q_src[tag0 + r, 1] = crd[2]
+                    # the span's list: (its first entry, the list's length) of the token the tile gathers
+                    span = kernel.kv_span(m_blk, n_rows, seqlen_k, 127, 0, 4, 300, topk[b, None, None])
+                    span_list[b, h, bx] = span.idx_row[0]
+                    for t in cutlass.range(EPI_THREADS, unroll=1):  # the correction threads
+                        thr = tiled_o_load.get_slice(t)
+                        row = kernel.o_row_part(thr, tile_ids)[0][0]
+                        q_row = kernel.packed_row(m_blk, row)
+                        sink_head[tag0 + row] = kernel.row_scale(cutlass.Float32(1.0), cutlass.Float32(0.0), sink,
+                                                                 q_row, h)
+                        if half == 0 and kernel.lse_stored(row, q_row, n_rows):
+                            crd = lse[q_row, h, b]
+                            if inside(crd, lse_count.shape):
+                                lse_count[crd] = lse_count[crd] + 1
+                                lse_who[crd] = tag0 + row
+                    if cutlass.const_expr(not kernel.padded()):  # one box, clipped by TMA (a batched call)
+                        box = kernel.o_tile(o, m_blk, half, h, b)
+                        for i in cutlass.range(QK_TILE_M, unroll=1):
+                            for j in cutlass.range(o_cols, unroll=1):
+                                crd = box[i, j]
+                                if inside(crd, count.shape):
+                                    count[crd] = count[crd] + 1
+                                    who[crd] = (tag0 + i) * 1024 + half * o_cols + j
+                    else:  # row by row: each correction thread its own row, where row_stored
+                        for t in cutlass.range(EPI_THREADS, unroll=1):
+                            thr = tiled_o_load.get_slice(t)
+                            rids = kernel.o_row_part(thr, tile_ids)
+                            if kernel.row_stored(rids[0][0], n_rows - m_blk * kernel.owned_rows):
+                                dst = kernel.o_row_part(thr, kernel.o_tile(o, m_blk, half, h, b))
+                                for i in cutlass.range(cute.size(dst), unroll_full=True):
+                                    crd = dst[i]
+                                    if inside(crd, count.shape):
+                                        count[crd] = count[crd] + 1
+                                        who[crd] = (tag0 + rids[i][0]) * 1024 + half * o_cols + rids[i][1]
+                                    else:
+                                        count[0, 0, 0, 0] = count[0, 0, 0, 0] + 1000000  # outside the tensor
+
+    bufs = row_map_buffers(kernel, 1, 1, 1, 1)
+    with target_arch("sm100"):
+        return cute.compile(host, *[jit.as_cute(x) for x in bufs], Int32(1), Int32(1),
+                            options=f"--gpu-arch={GPU_ARCH['sm100']}")
+
+
+def row_map_buffers(kernel, batch: int, seqlen_q: int, kv_heads: int, grid_x: int, k: int = 8):
+    """count, who (O's shape), lse_count, lse_who (LSE's), q_src, sink_head (per CTA and tile row),
+    span_list (per CTA), topk (token t's list starts with entry 1000 b + t), sink (ln(h + 1))."""
+    heads = kv_heads * kernel.pack_group
+    i32 = dict(dtype=torch.int32)
+    o_shape, lse_shape = (batch, seqlen_q, heads, kernel.head_dim), (batch, heads, seqlen_q)
+    ctas = batch * kv_heads * grid_x * QK_TILE_M
+    topk = torch.full((batch, seqlen_q, k), -1, **i32)
+    topk[:, :, 0] = 1000 * torch.arange(batch, **i32)[:, None] + torch.arange(seqlen_q, **i32)[None]
+    return (torch.zeros(o_shape, **i32), torch.full(o_shape, -1, **i32), torch.zeros(lse_shape, **i32),
+            torch.full(lse_shape, -1, **i32), torch.full((ctas, 2), -1, **i32), torch.zeros(ctas),
+            torch.full((batch, kv_heads, grid_x), -1, **i32), topk,
+            torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+
+
+@functools.cache
+def row_map_runner(cls, options: tuple):
+    kernel = make_kernel(512, cls=cls, **dict(options))
+    return kernel, build_row_map_runner(kernel)
+
+
+def row_map_failures(cls, options: dict, batch: int = 2, seqlen_q: int = 5, kv_heads: int = 2) -> list[str]:
+    """Every way the replay breaks, by the checker's own map (one token a tile, ``owned_packed_row``:
+    tile m serves token m, row r < g its head hk g + r): tile m's Q row r loads (token m, head hk g + r),
+    its padding rows (r >= g) only heads of its KV head's group (the next token's, or TMA's zero
+    fill past the last); its span holds token m's list; element (b, token, hk g + j, column) of O is
+    stored exactly once, from CTA (b, hk, token)'s row j at that column, and nothing else is (the
+    padding rows never); LSE likewise; row r's sink is head hk g + r % g."""
+    from dsv4_attention.common import jit
+
+    kernel, fn = row_map_runner(cls, tuple(sorted(options.items())))
+    g, o_split, d = kernel.pack_group, kernel.plan.o_split, kernel.head_dim
+    grid_x = -(-seqlen_q * g // kernel.owned_rows) * o_split  # as __call__ sizes the grid
+    bufs = row_map_buffers(kernel, batch, seqlen_q, kv_heads, grid_x)
+    fn(*[jit.as_cute(x) for x in bufs], Int32(grid_x), Int32(1000))
+    count, who, lse_count, lse_who, q_src, sink_head, span_list, topk, _ = bufs
+    fails = []
+    tiles = topk_tiles(seqlen_q, g)
+    if grid_x != tiles * o_split:
+        fails.append(f"grid x {grid_x}: {tiles} tiles x {o_split} O parts wanted")
+    want = torch.full_like(who, -1)
+    want_lse = torch.full_like(lse_who, -1)
+    col = torch.arange(d, dtype=torch.int32)
+    q_wrong, list_wrong, sink_wrong = [], [], []
+    for b in range(batch):
+        for hk in range(kv_heads):
+            for bx in range(min(grid_x, tiles * o_split)):
+                m, half = bx // o_split, bx % o_split  # no causal reversal: no right bound with lists here
+                tag0 = ((b * kv_heads + hk) * grid_x + bx) * QK_TILE_M
+                token = owned_packed_row(m, 0, g) // g
+                if int(span_list[b, hk, bx]) != int(topk[b, token, 0]):
+                    list_wrong.append((b, hk, bx, int(span_list[b, hk, bx])))
+                for r in range(QK_TILE_M):
+                    packed = owned_packed_row(m, r, g)
+                    src = q_src[tag0 + r].tolist()
+                    if packed is None:  # padding: a head of this KV head's group, any token
+                        ok = hk * g <= src[1] < (hk + 1) * g
+                    else:
+                        ok = src == [packed // g, hk * g + packed % g]
+                    if not ok:
+                        q_wrong.append((b, hk, bx, r, src))
+                    if round(1.0 / float(sink_head[tag0 + r]) - 2.0) != hk * g + r % g:
+                        sink_wrong.append((b, hk, bx, r, float(sink_head[tag0 + r])))
+                    if packed is None or packed // g >= seqlen_q:
+                        continue
+                    t, j = packed // g, packed % g
+                    want[b, t, hk * g + j, half * (d // o_split):(half + 1) * (d // o_split)] = \
+                        (tag0 + r) * 1024 + half * (d // o_split) + col[:d // o_split]
+                    if half == 0:
+                        want_lse[b, hk * g + j, t] = tag0 + r
+    for what, bad in (("Q rows loaded from elsewhere", q_wrong), ("spans on another token's list", list_wrong),
+                      ("rows reading another head's sink", sink_wrong)):
+        if bad:
+            fails.append(f"{len(bad)} {what}, e.g. {bad[:3]}")
+    for name, c, w, x in (("O", count, who, want), ("LSE", lse_count, lse_who, want_lse)):
+        stored = x >= 0
+        for what, where in (("stored more than once", c > 1), ("never stored", stored & (c == 0)),
+                            ("stored outside every token's heads", ~stored & (c > 0)),
+                            ("stored from another row", stored & (c > 0) & (w != x))):
+            idx = torch.nonzero(where).tolist()
+            if idx:
+                fails.append(f"{name}: {len(idx)} elements {what}, e.g. {idx[:3]}")
+    return fails
+
+
+class PaddingRowsStored(FlashAttentionESm100):
+    """Wrong: a padded tile stores every row it computed (its padding rows over the next token's O)."""
+
+    def row_stored(self, row, rows_left):
+        return row < rows_left
+
+
+class PaddingLseStored(FlashAttentionESm100):
+    """Wrong: a padded tile writes the LSE of its padding rows (packed row m 64 + r % 64: twice a head)."""
+
+    def lse_stored(self, row, q_row, n_rows):
+        return q_row < n_rows
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [INDEX_512_G64, TOPK_512_G64], ids=["index", "csa"])
+def test_64_heads_padded_tile_rows_load_gather_store_and_sink_by_head(options):
+    kernel = make_kernel(512, **options)
+    assert kernel.padded() and kernel.owned_rows == 64 and kernel.plan.o_split == 2
+    assert row_map_failures(FlashAttentionESm100, options) == []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", [TwoTokensPerTile, PaddingRowsStored, PaddingLseStored])
+def test_64_heads_row_map_checker_rejects_wrong_maps(cls):
+    """Negative controls: the old map (two tokens a tile, the first one's list, a TMA box of 128 rows),
+    the padding rows' O stored, their LSE stored."""
+    assert row_map_failures(cls, INDEX_512_G64) != []
+
+
+@pytest.mark.proof
+@pytest.mark.slow
+def test_64_heads_mask_and_gather_checkers_reject_two_tokens_per_tile():
+    """Negative controls of section 5's checkers at 64 heads: the old map's masks and gathers (tile m
+    on token 2 m's list and window) are rejected."""
+    case = TOPK_CASES["topk-hd512-g64"][0]
+    assert topk_mask_failures("wrong-g64-two-tokens-per-tile", case) != []
+    got, want = gathered_rows(512, TOPK_512_G64, GATHER_CASE, cls=TwoTokensPerTile)
+    assert first_mismatches(want, got) != []
+
+
+def test_64_heads_padded_seams():
+    """The padded tile is a compile-time property of the options (pack_group 64 with lists): the
+    kernel cache's key; 32 and 96 heads are refused, sm90's kernels untouched (no padding there)."""
+    index = make_kernel(512, **INDEX_512_G64)
+    assert index.padded() and index.owned_rows == 64 and index.may_hide_rows()
+    assert not make_kernel(512, **dict(HCA_512, pack_group=64)).padded()  # no lists: two tokens a tile
+    assert not make_kernel(512, **TOPK_512).padded()
+    assert [index.packed_row(3, r) for r in (0, 63, 64, 127)] == [192, 255, 192, 255]
+    assert index.o_by_tma(64) is False and index.varlen_grid_x(5) == 5 * 2
+    with pytest.raises(ValueError, match=r"multiple of the 128-row tile or 64 \(a padded tile\)"):
+        make_kernel(512, **dict(INDEX_512_G64, pack_group=32))
+    with pytest.raises(ValueError, match="does not pack"):
+        make_kernel(512, **dict(INDEX_512_G64, pack_group=96))

@@ -234,6 +234,7 @@ from dsv4_attention.common.testing import (  # noqa: E402 - the GPU half of the 
     poison_,
     random_bshd,
     random_index_lists,
+    sinks_with_infinities,
 )
 from dsv4_attention.stages import e_fused as stage  # noqa: E402
 
@@ -309,6 +310,34 @@ def test_split_index_mode(arch, heads, num_splits, record_errors):
     empty = torch.isneginf(lse_ref)
     assert bool(empty[0].all()) and bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
     assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+
+
+@pytest.mark.parametrize("arch", SPLIT_ARCH)
+@pytest.mark.parametrize("mode", ["hca", "index"])
+def test_split_merge_with_infinite_sinks(arch, mode, record_errors):
+    """The merge kernel applies the sink: FlashMLA's draw (a third -inf, a third +inf) on rows empty
+    in every split (index mode: token 0 lists nothing; HCA: request 0 has seqused_k 0) and full rows;
+    O = 0 there for any sink, +inf heads O = 0, the rest against the reference."""
+    from dsv4_attention.common.reference import dsv4_index_attention
+
+    g = fresh_generator()
+    if mode == "index":
+        q, kv, idx, _ = index_case(4, 128, g)
+        s = sinks_with_infinities(128, g)
+        o = torch.full_like(q, float("nan"))
+        _, lse = stage.index_attention(q, kv, idx, attn_sink=s, out=o, num_splits=3)
+        length = torch.full((q.shape[0],), idx.shape[2], dtype=torch.int32, device="cuda")
+        o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], idx[:, 0], length, s)
+        e = errors(o, o_ref)
+        record_errors(e, arch=arch, case="split index mode, infinite sinks", num_splits=3)
+        assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+        assert bool((o[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
+        assert bool((o[:, torch.isposinf(s)] == 0).all())
+        return
+    q, kv, opts = decode_case("hca", 2, 2, 128, g)
+    opts["learnable_sink"] = sinks_with_infinities(128, g)
+    opts["seqused_k"] = torch.tensor([0, kv.shape[1]], dtype=torch.int32, device="cuda")
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch, options={**opts, "num_splits": 4})
 
 
 @pytest.mark.parametrize("arch", SPLIT_ARCH)

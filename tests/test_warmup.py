@@ -74,12 +74,12 @@ def test_after_the_warm_up_a_fresh_process_compiles_nothing(tmp_path, monkeypatc
 
 def test_the_presets_cover_deepseek_v4_on_both_archs():
     """Which kernels each preset compiles: DeepSeek-V4's four call forms at 64 and 128 heads on
-    sm90; on sm100 the top-k forms at 64 heads are refused (128-row tiles), and said so."""
+    both archs (sm100's top-k forms at 64 heads: one token a 128-row tile, half of it padding)."""
     refused: list = []
-    sm90 = warmup.configurations(warmup.dsv4_calls(), "sm90", refused)
-    assert len(sm90) == 8 and not refused
-    assert {dict(k[4])["pack_group"] for k, *_ in sm90} == {64, 128}
-    assert sum(dict(k[4]).get("index_mode", False) for k, *_ in sm90) == 2
-    sm100 = warmup.configurations(warmup.dsv4_calls(), "sm100", refused)
-    assert len(sm100) == 6 and [name for name, _ in refused] == ["CSA h64", "index mode h64"]
+    for arch in ("sm90", "sm100"):
+        configs = warmup.configurations(warmup.dsv4_calls(), arch, refused)
+        assert len(configs) == 8 and not refused
+        assert {dict(k[4])["pack_group"] for k, *_ in configs} == {64, 128}
+        assert sum(dict(k[4]).get("index_mode", False) for k, *_ in configs) == 2
+        assert sum(dict(k[4]).get("has_topk", False) and dict(k[4])["pack_group"] == 64 for k, *_ in configs) == 2
     assert len(warmup.configurations(warmup.dense_calls(), "sm90")) == 36

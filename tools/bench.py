@@ -392,7 +392,7 @@ def unfused_row(dev, s: int, topk: int | None) -> dict:
     branch (stage D4), the compressed branch (index mode over the compressed rows: each token's
     visible entries, or its top-k list), ``merge_attention`` and the sink applied in torch. The
     two outputs are compared (max |diff|), so the rows measure the same function."""
-    from dsv4_attention.common.merge import merge_attention
+    from dsv4_attention.common.merge import merge_attention, sink_scale
     from dsv4_attention.stages import d4_causal_window, e_fused
 
     c = dsv4_layer(dev, 1, s, s, topk)
@@ -410,7 +410,7 @@ def unfused_row(dev, s: int, topk: int | None) -> dict:
         o1, lse1 = d4_causal_window.forward(q, kv, kv, **kw)
         o2, lse2 = e_fused.index_attention(q[0], ckv[0], idx)
         o, lse = merge_attention(o1, lse1, o2[None], lse2.t()[None])
-        scale = torch.sigmoid(lse - sink[None, :, None]).transpose(1, 2)[..., None]  # [b, s, h, 1]
+        scale = sink_scale(lse, sink[None, :, None]).transpose(1, 2)[..., None]  # [b, s, h, 1]
         return (o.float() * scale).to(q.dtype)
 
     def fused():

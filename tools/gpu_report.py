@@ -2,7 +2,7 @@
 
     python -m tools.gpu_report --out DIR [--stage a ... | --stage calls | --stage decode]
                                [--tests all|gpu|none] [--no-bench] [--no-sanity] [--shard K/N]
-                               [--deadline-s S]
+                               [--deadline-s S] [--conformance]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
 (sha256 of every file under stages/ and common/), test counts per stage and
@@ -29,6 +29,9 @@ to date without re-running the other stages. Copy the file into docs/results/ an
 Runs made side by side, one per GPU of one machine (``CUDA_VISIBLE_DEVICES=i``, each its own
 ``--out``), each also write their own parts, ``<gpu>-run.json``: ``python -m tools.merge_runs``
 merges them into docs/results/<gpu>.json.
+
+``--conformance`` also runs FlashMLA's own sparse-prefill test against ``index_attention`` (the
+device pack's harness, kv passed strided) and records its counts under ``conformance``.
 
 The report is written after the tests and again after each benchmark group, so a call that
 the device's 10-minute limit cuts keeps what finished; ``--deadline-s S`` starts no benchmark
@@ -135,6 +138,45 @@ def run_tests(stages, which: str, log, files=("tests",)) -> dict:
     return combine(first, timed)
 
 
+#: outside suites run beside the tests (``--conformance``): name -> the runner under the device
+#: pack's conformance folder (``../shared/device/prepare`` copies it into .device/conformance)
+CONFORMANCE = {"flashmla_sparse_prefill": "flashmla-sparse-prefill/run.sh"}
+CONFORMANCE_DIR = pathlib.Path(".device/conformance")
+
+
+def run_conformance(log, root: pathlib.Path = CONFORMANCE_DIR) -> dict:
+    """Run each outside suite (FlashMLA's own sparse-prefill test through its shim, with kv passed
+    strided: ``FLASHMLA_SHIM_STRICT=1``) and return {name: counts}: its closing line ``N passed, M
+    failed, K skipped``, the exit status, the failed case numbers it printed, and the sha256 of the
+    library files its evidence depends on (stage E's scope). A suite that is not there is recorded
+    as not run, with the reason."""
+    import re
+
+    out = {}
+    for name, rel in CONFORMANCE.items():
+        script = root / rel
+        rec = {"date": report.today(), "strict": True, "sources": report.scoped(report.sources(), "e", "tests")}
+        if not script.exists():
+            out[name] = {**rec, "ran": False, "why": f"{script} not found (run ../shared/device/prepare)"}
+            continue
+        env = {**os.environ, "FLASHMLA_SHIM_STRICT": "1"}
+        cmd = ["bash", str(script), str(pathlib.Path.cwd())]
+        print("+", " ".join(cmd), flush=True)
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        log.write(p.stdout)
+        lines = p.stdout.strip().splitlines()
+        print("\n".join(lines[-15:]), flush=True)
+        last = next((ln for ln in reversed(lines) if re.fullmatch(r"\d+ passed, \d+ failed, \d+ skipped", ln.strip())),
+                    None)
+        counts = dict(zip(("passed", "failed", "skipped"), map(int, re.findall(r"\d+", last)), strict=True)) \
+            if last else {}
+        failed_cases = [int(n) for n in re.findall(r"case #(\d+): FAIL", p.stdout)]
+        out[name] = {**rec, "ran": True, "exit": p.returncode, "seconds": round(time.monotonic() - t0, 1),
+                     **counts, "failed_cases": failed_cases}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -142,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tests", choices=("all", "stage", "gpu", "cp", "none"), default="all")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sanity", action="store_true")
+    ap.add_argument("--conformance", action="store_true",
+                    help="also run the outside suites (FlashMLA's sparse-prefill test, kv strided) and record "
+                         "their counts")
     ap.add_argument("--shard", help="K/N: run part K of N of the test session")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no benchmark group after this many seconds from the start (the report names "
@@ -220,7 +265,11 @@ def main(argv=None) -> int:
         if final:
             print(f"wrote {out_dir / (name + '.json')}: tests {json.dumps(merged['tests'])}")
 
-    if a.tests != "none":
+    if a.conformance:
+        with open(out_dir / f"{name}-log.txt", "a") as log:
+            new["conformance"] = run_conformance(log)
+        print("conformance:", json.dumps(new["conformance"]), flush=True)
+    if a.tests != "none" or a.conformance:
         write(False)  # the tests' results survive a benchmark the device's time limit cuts
     if not a.no_bench:
         new["bench_sources"] = {}

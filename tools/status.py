@@ -229,6 +229,19 @@ def _report_section(name: str, rep: dict) -> str:
                        + " | ".join(str(r["peers"].get(p, "")) for p in peers) + f" | {ratio} | {gbps} |")
         notes = sorted({r["note"] for r in rows if r.get("note")})
         out += [""] + [f"- {n}" for n in notes]
+    conf = rep.get("conformance")
+    if conf:
+        out += ["", "Outside suites (another project's own tests run against the library, unchanged; "
+                "`tools/gpu_report.py --conformance`):", "",
+                "| suite | date | passed | failed | skipped | failed cases | evidence |", "| --- " * 7 + "|"]
+        for suite, v in sorted(conf.items()):
+            current = "current" if report.is_current(v.get("sources", {}), "e") else "STALE: stage E's code changed"
+            if not v.get("ran"):
+                out.append(f"| {suite} | {v.get('date')} | not run: {v.get('why')} | | | | |")
+                continue
+            failed = ", ".join(map(str, v.get("failed_cases", []))) or "-"
+            out.append(f"| {suite}{' (kv strided)' if v.get('strict') else ''} | {v.get('date')} | {v.get('passed')} | "
+                       f"{v.get('failed')} | {v.get('skipped')} | {failed} | {current} |")
     sanity = rep.get("peer_sanity")
     if sanity:
         out += ["", "Peer sanity (each peer on its anchor case from `shared/notes/anchors.md`):", "",

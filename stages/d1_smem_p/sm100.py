@@ -88,6 +88,10 @@ Seams for later stages (class attributes and methods, defaults: one row per toke
     has_compressed   E: a second K = V source (its own TMA atom, K's box) whose tiles come first in
                      the span's index space: the TMA warp picks each tile's source (``load_k_block``,
                      ``compressed_tma_view``), the softmax its columns (``row_keys``, ``tile_columns``).
+    owned_rows       E top-k with 64 heads: a tile owns 64 rows (``padded``): tile m starts at packed
+                     row 64 m (``q_tile``, grid, ``o_tile``), rows 64 .. 127 are padding, taken as row
+                     r % 64 by every per-row decision (``packed_row``) and never stored (``row_stored``,
+                     ``lse_stored``; O row by row). QK_TILE_M elsewhere: those kernels are unchanged.
 
 Warp roles (320 threads; setmaxnreg not used: stage C's one-Q-tile budget, 168 registers each)
 ---------------------------------------------------------------------------------------------
@@ -359,9 +363,10 @@ class FlashAttentionD1Sm100:
         if const_expr(self.varlen):  # the tiles of the longest request x heads x requests
             grid = (self.varlen_grid_x(max_seqlen_q), q.shape[2], mCuSeqlensQ.shape[0] - 1)
         else:
-            grid = (cute.ceil_div(rows(q), QK_TILE_M) * plan.o_split, q.shape[2], q.shape[3])
+            grid = (cute.ceil_div(rows(q), self.owned_rows) * plan.o_split, q.shape[2], q.shape[3])
         # varlen: O's memory as well, for the row-by-row store of the tile that straddles a request's end
-        o_mem = with_row_vectors(o) if const_expr(self.varlen) else None
+        # (a padded tile: for the row-by-row store of its owned rows)
+        o_mem = with_row_vectors(o) if const_expr(self.varlen or self.padded()) else None
         self.kernel(
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
             lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
@@ -400,6 +405,35 @@ class FlashAttentionD1Sm100:
     has_left = has_right = False  # D4: window bounds (causal: right = 0)
     longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
     has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
+    #: packed rows a Q tile owns, and the step between Q tiles' first rows. QK_TILE_M but for E's top-k
+    #: with 64 heads (a padded tile, ``padded``): tile m holds packed rows m * 64 .. m * 64 + 127, owns
+    #: rows 0 .. 63 (its token's heads) and stores only those
+    owned_rows = QK_TILE_M
+
+    def padded(self) -> bool:
+        """Whether a Q tile owns fewer rows than it computes (compile-time): rows owned_rows ..
+        QK_TILE_M - 1 are padding, computed (on the next token's Q, or TMA's zeros past the end) but
+        never stored; every per-row decision (keys, entries, LSE, sink) takes them as row
+        ``row % owned_rows`` (``packed_row``)."""
+        return self.owned_rows < QK_TILE_M
+
+    def packed_row(self, m_blk, row):
+        """The packed row whose keys, LSE and sink tile row ``row`` of Q tile m_blk takes: m_blk *
+        QK_TILE_M + row; padded, m_blk * owned_rows + row % owned_rows (padding rows repeat the owned
+        rows' decisions)."""
+        if const_expr(self.padded()):
+            return m_blk * self.owned_rows + row % self.owned_rows
+        return m_blk * QK_TILE_M + row
+
+    def q_tile(self, mQ, m_blk, h, b):
+        """(tiles, index): the Q view the TMA warp partitions, (QK_TILE_M, head_dim, tiles), and the
+        index of Q tile m_blk in it. Padded: the view starts at packed row m_blk * owned_rows (a TMA
+        box starts at any row; rows past the tensor's tokens are zero-filled)."""
+        tiler = (QK_TILE_M, self.plan.head_dim)
+        if const_expr(self.padded()):
+            return cute.local_tile(cute.domain_offset((m_blk * self.owned_rows, 0, 0, 0), mQ)[None, None, h, b],
+                                   tiler, (None, 0)), 0
+        return cute.local_tile(mQ[None, None, h, b], tiler, (None, 0)), m_blk
 
     def q_tile_of(self, bx, grid_x):
         """(m_blk, half): the Q tile of CTA ``bx`` and which o_cols-wide part of O it owns. Both
@@ -452,12 +486,12 @@ class FlashAttentionD1Sm100:
 
     def varlen_grid_x(self, max_seqlen_q):
         """Grid x of a variable-length batch: the Q tiles (x o_split) of its longest request."""
-        return (max_seqlen_q * self.pack_group + QK_TILE_M - 1) // QK_TILE_M * self.plan.o_split
+        return (max_seqlen_q * self.pack_group + self.owned_rows - 1) // self.owned_rows * self.plan.o_split
 
     def tile_has_rows(self, m_blk, n_rows):
         """Whether Q tile m_blk holds any of its request's ``n_rows`` rows (varlen: the grid spans
         the longest request; a CTA whose tile has none does nothing)."""
-        return m_blk * QK_TILE_M < n_rows
+        return m_blk * self.owned_rows < n_rows
 
     def o_load(self, tmem_base):
         """The correction threads' tcgen05.ld of O in EPI_COLS-column chunks: (tiled copy, O in chunks).
@@ -471,18 +505,35 @@ class FlashAttentionD1Sm100:
 
     def o_tile(self, mO: cute.Tensor, m_blk, half, h, b) -> cute.Tensor:
         """The (QK_TILE_M, o_cols) part of O that the CTA of Q tile m_blk, O half ``half`` stores: of
-        the TMA view (the box the TMA store writes) or of O's memory (the row-by-row store)."""
+        the TMA view (the box the TMA store writes) or of O's memory (the row-by-row store). Padded: from
+        packed row m_blk * owned_rows on (stored row by row, the owned rows only)."""
+        if const_expr(self.padded()):
+            return cute.local_tile(cute.domain_offset((m_blk * self.owned_rows, 0, 0, 0), mO)[None, None, h, b],
+                                   (QK_TILE_M, self.plan.o_cols), (0, half))
         return cute.local_tile(mO[None, None, h, b], (QK_TILE_M, self.plan.o_cols), (m_blk, half))
 
     def o_by_tma(self, rows_left):
         """Whether the tile goes out as one TMA box: every row of it is the request's (``rows_left``:
         its request's rows from the tile's first on). Only varlen asks: elsewhere the rows past the
-        tensor's end are clipped by TMA, and there is no next request to overwrite."""
+        tensor's end are clipped by TMA, and there is no next request to overwrite. A padded tile never
+        (its padding rows are the next token's)."""
+        if const_expr(self.padded()):
+            return False
         return rows_left >= QK_TILE_M
 
     def row_stored(self, row, rows_left):
-        """Whether row ``row`` of a tile stored row by row is written (one of its request's rows)."""
+        """Whether row ``row`` of a tile stored row by row is written (one of its request's rows; padded:
+        one of the tile's owned rows too)."""
+        if const_expr(self.padded()):
+            return (row < self.owned_rows) & (row < rows_left)
         return row < rows_left
+
+    def lse_stored(self, row, q_row, n_rows):
+        """Whether the correction thread of tile row ``row`` (packed row ``q_row``) writes its LSE: a
+        row of the request (padded: an owned row)."""
+        if const_expr(self.padded()):
+            return (row < self.owned_rows) & (q_row < n_rows)
+        return q_row < n_rows
 
     def masks_inner_tiles(self) -> bool:
         """Whether tiles after the first visited one can straddle a boundary (window edges)."""
@@ -641,7 +692,7 @@ class FlashAttentionD1Sm100:
     ):  # fmt: skip
         plan = self.plan
         n_tiles = span.n_tiles
-        gQ = cute.local_tile(mQ[None, None, h, b], (QK_TILE_M, plan.head_dim), (None, 0))
+        gQ, q_index = self.q_tile(mQ, m_blk, h, b)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
             cute.group_modes(qk_mma.get_slice(0).partition_A(gQ), 0, 3),
@@ -651,7 +702,7 @@ class FlashAttentionD1Sm100:
         tCgC = self.compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
 
         stage = q_producer.acquire_and_advance()
-        cute.copy(tma_atom_q, tQgQ[None, m_blk], tQsQ[None, 0], tma_bar_ptr=stage.barrier)
+        cute.copy(tma_atom_q, tQgQ[None, q_index], tQsQ[None, 0], tma_bar_ptr=stage.barrier)
         v_first = half * plan.v_blocks
         for it in cutlass.range(n_tiles, unroll=1):
             tile = n_tiles - 1 - it
@@ -803,7 +854,7 @@ class FlashAttentionD1Sm100:
 
     def row_keys(self, span: KvSpan, m_blk, tTR_cS: cute.Tensor):
         """The keys [lo, hi) this softmax thread's row sees (its row: value 0's, the same for every value)."""
-        return visible_keys(span, m_blk * QK_TILE_M + tTR_cS[0][0])
+        return visible_keys(span, self.packed_row(m_blk, tTR_cS[0][0]))
 
     def tile_columns(self, span: KvSpan, keys, n):
         """(lo, hi): the columns lo <= c < hi of KV tile n this row sees (lo None: no lower bound), from
@@ -924,9 +975,9 @@ class FlashAttentionD1Sm100:
         row_sum = sStats[row, 0]
         row_max_x = sStats[row, 1]
         stats.consumer_release(warp)
-        q_row = m_blk * QK_TILE_M + row
+        q_row = self.packed_row(m_blk, row)
         lse = (row_max_x + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
-        if half == 0 and q_row < n_rows:  # both halves of O compute the same LSE; one writes it
+        if half == 0 and self.lse_stored(row, q_row, n_rows):  # both halves of O compute the same LSE; one writes it
             mLSE[q_row, h, b] = lse
 
         sO = cute.make_tensor(cute.recast_ptr(sq_base, o_smem.inner, dtype=self.dtype), o_smem.outer)[None, None, 0]
@@ -941,7 +992,10 @@ class FlashAttentionD1Sm100:
 
         cute.arch.fence_view_async_shared()  # sO visible to the TMA (async proxy)
         epi_barrier.arrive_and_wait()
-        if const_expr(self.varlen):
+        if const_expr(self.padded()):  # the owned rows only, row by row: a box would overwrite the next token's
+            if self.row_stored(row, n_rows - m_blk * self.owned_rows):
+                o_row_smem_to_gmem(tTR_sO, self.o_row_part(thr_o_load, self.o_tile(mO_mem, m_blk, half, h, b)))
+        elif const_expr(self.varlen):
             rows_left = n_rows - m_blk * QK_TILE_M
             if self.o_by_tma(rows_left):  # uniform per CTA
                 self.store_o_tma(tma_atom_o, mO, sO, t, m_blk, half, h, b)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_attention.common import interface, jit
-from dsv4_attention.common.merge import merge_attention
+from dsv4_attention.common.merge import merge_attention, sink_scale
 from dsv4_attention.common.validation import check_window
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import flops  # noqa: F401 - the same FLOPs as D4
@@ -59,12 +59,20 @@ def forward(q, k, v, *, softmax_scale: float | None = None, learnable_sink: torc
 
 def apply_sink(o: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor, *, lse_layout: str = "bhs"):
     """O * sigmoid(LSE - sink[h]) in fp32 (the kernel's epilogue, in torch): the sink of a merged
-    result. lse [batch, heads, seqlen] (``"bhs"``) or [heads, total] (``"ht"``)."""
-    s = learnable_sink.float()
+    result. lse [batch, heads, seqlen] (``"bhs"``) or [heads, total] (``"ht"``). A row with no
+    visible key (LSE = -inf) stays O = 0 for any sink, +-inf included (``merge.sink_scale``).
+
+    Args:
+        o: [batch, seqlen, heads, d] (``"bhs"``) or [total, heads, d] (``"ht"``).
+        lse: the natural-log LSE of ``o``'s rows, without a sink.
+        learnable_sink: [heads] logits (any float dtype); -inf: no sink, +inf: O = 0.
+    Returns:
+        O scaled by the sink, in ``o``'s dtype (LSE is unchanged: it never includes the sink)."""
+    s = learnable_sink
     if lse_layout == "bhs":
-        w = torch.sigmoid(lse.float() - s[None, :, None]).transpose(1, 2)[..., None]
+        w = sink_scale(lse, s[None, :, None]).transpose(1, 2)[..., None]
     else:
-        w = torch.sigmoid(lse.float() - s[:, None]).transpose(0, 1)[..., None]
+        w = sink_scale(lse, s[:, None]).transpose(0, 1)[..., None]
     return (o.float() * w).to(o.dtype)
 
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from dsv4_attention.common import interface, jit
-from dsv4_attention.common.validation import check_window, value_range
+from dsv4_attention.common.validation import check_readable, check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import visible_pairs
 
@@ -69,7 +69,8 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     entry j is visible to query i iff j < floor((i + seqlen_k - seqlen_q + 1) / ratio): all of them,
     or only those ``topk_indices`` [batch, seqlen_q, k] int32 lists per token (-1 padded; DeepSeek-V4's
     CSA layers; the query heads of a KV head must fill whole Q tiles: 64 or 128 heads at head dim 512
-    on sm90). ``kv_start``: the absolute position of ``k``'s row 0 when ``k`` holds only the last
+    on sm90, 128 on sm100, and 64 there too, one token a 128-row tile, half of it padding).
+    ``kv_start``: the absolute position of ``k``'s row 0 when ``k`` holds only the last
     rows of a longer sequence (DeepSeek-V4's window cache; a context-parallel shard with its halo):
     the window is taken in ``k``'s rows as always, the compressed visibility at the absolute position
     kv_start + i + seqlen_k - seqlen_q. ``positions`` ([seqlen_q] or [batch, seqlen_q] int32,
@@ -90,7 +91,12 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     (split-KV decode, common/split_kv.py; sm90, batched tensors, head dim 384 / 512): each Q
     tile's keys cut over that many CTAs and merged exactly (fp32 parts), for a decode step of few
     requests, whose Q tiles alone would leave most SMs idle; None chooses (1 where the Q tiles
-    fill half the SMs). Returns (o, lse), lse over both key sets, without the sink."""
+    fill half the SMs). Layouts (q, k, v, ``compressed_kv``): read in place, any strides with the
+    last dim contiguous, the others multiples of 16 bytes and the data 16-byte aligned (TMA; sm90's
+    top-k gather); sm100's top-k gather (TMA gather4 over one 2D view of the entries) further needs
+    ``compressed_kv``'s batch stride to be entries x its entry stride (unless batch is 1) and its
+    kv-head stride to be head_dim (unless one kv head), both checked before launch
+    (``validation.check_gather_layout``). Returns (o, lse), lse over both key sets, without the sink."""
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -111,10 +117,18 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     attends to the rows ``indices[t, 0, :topk_length[t]]`` of ``kv`` (-1 = none), its only keys.
 
     q [tokens, heads, d], kv [rows, 1, d] (K = V), indices [tokens, 1, k] int32, topk_length
-    [tokens] int32 (default k), attn_sink [heads] fp32 or None, ``out`` like q (optional). Returns
+    [tokens] int32 (default k), attn_sink [heads] fp32 or None, ``out`` like q (optional, contiguous).
+    Layouts: q and kv are read in place in any layout the copy engines read, as FlashMLA reads them
+    (its test passes views into buffers padded in every dim): the last dim contiguous, every other
+    stride a multiple of 16 bytes (q's token and head strides, kv's row stride; kv's extent-1 middle
+    dim is never stepped, its stride is not read) and the data 16-byte aligned; anything else is
+    refused with a ValueError naming the tensor and the stride. ``indices`` may have any layout (the
+    lists are copied into the kernel's [1, tokens, k] form). Returns
     (o [tokens, heads, d], lse [tokens, heads] fp32, natural log, without the sink; a token with no
     valid index has O = 0 and LSE = -inf, where FlashMLA returns +inf). The query heads must fill
-    whole Q tiles (64 or 128 at head dim 512 on sm90). Differences from FlashMLA: its d_qk = 576 /
+    whole Q tiles: 64 or 128 (DeepSeek-V4-Flash and -Pro) on both archs (sm90's head-dim-512 tiles
+    hold 64 rows; sm100 runs 64 heads one token a 128-row tile, rows 64 .. 127 padding: computed,
+    never stored; docs/stages/e_fused.md), other counts refused. Differences from FlashMLA: its d_qk = 576 /
     d_v = 512 split is not served (K = V rows of one head_dim here), and an index is refused unless
     -1 or in [0, rows), as is a topk_length outside [0, k): reading them costs a device
     synchronisation per call. ``check_indices=False`` reads neither (FlashMLA's call checks nothing):
@@ -144,7 +158,16 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     if idx.shape[2] == 0 or kv.shape[0] == 0:  # no key for any token: decided without a launch
         o = torch.zeros_like(q) if out is None else out.zero_()
         return o, torch.full((q.shape[0], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
+    # read in place, any layout the copy engines read (FlashMLA's test passes views into padded
+    # buffers): q's token and head strides, kv's row stride 16-byte multiples, rows contiguous
+    check_readable("q", q, ("token", "head", "d"))
+    check_readable("kv", kv, ("row", "kv head", "d"), skip=(1,))
+    # [1, rows, 1, d] over kv's own memory (no copy); an extent-1 dim, never stepped, of a stride TMA
+    # cannot take is given the row stride
     kv4 = kv[None]
+    if (kv.stride(1) * kv.element_size()) % 16:
+        rows, row_stride = kv.shape[0], kv.stride(0)
+        kv4 = kv.as_strided((1, rows, 1, kv.shape[2]), (rows * row_stride, row_stride, row_stride, 1))
     o, lse = interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q[None], kv4, kv4, softmax_scale,
                                                 None if out is None else out[None], None,
                                                 tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=kv4,

@@ -22,6 +22,13 @@ D1's skeleton: ``kv_span`` (the fused span), ``load_k_block`` (the TMA warp's so
 runtime branch between two descriptors of the same box), ``compressed_tma_view``, ``row_keys``,
 ``tile_columns``, ``masks_inner_tiles``; ``__call__`` builds the compressed atom (``has_compressed``).
 Host proof: tests/test_e_sm100_host.py.
+
+64 query heads with top-k lists or in index mode (DeepSeek-V4-Flash; pack_group 64, which D2 packs
+two tokens a tile): one token a 128-row tile, rows 64 .. 127 padding (``owned_rows`` = 64, D1's
+``padded`` seams): tile m's span holds token m's list, its Q box starts at packed row 64 m (rows
+64 .. 127 the next token's heads or TMA's zeros), every per-row decision takes row r as r % 64
+(``packed_row``), and only rows 0 .. 63 store O (row by row) and LSE. A compile-time consequence
+of (pack_group, has_topk); docs/stages/e_fused.md says what it costs and why not an M = 64 MMA.
 """
 
 import cutlass
@@ -51,19 +58,25 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
                  index_mode: bool = False, has_positions: bool = False, **options):
         super().__init__(dtype, head_dim, **options)
-        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode, has_positions)
+        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode, has_positions, padded_topk=True)
+        if self.has_topk and self.pack_group < QK_TILE_M:
+            # 64 heads (set_options admits no other group below the tile): one token per 128-row tile,
+            # rows 64 .. 127 padding (``padded``; the module doc)
+            self.owned_rows = self.pack_group
 
     def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0, n_compressed=0,
                 mTopk=None, kv_start=0, positions=None):
         if cutlass.const_expr(not self.has_compressed):
             return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
                                    mTopk, kv_start, positions)
-        token = m_block * QK_TILE_M // self.pack_group  # top-k: the tile's one token
+        # top-k: the tile's one token (a padded tile: owned_rows = pack_group rows from m_block * pack_group)
+        step = self.owned_rows
+        token = m_block * step // self.pack_group
         if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
-            return IndexSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, n_compressed,
+            return IndexSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, n_compressed,
                              mTopk[token, None], mTopk.shape[1])
         if cutlass.const_expr(self.has_topk):
-            return TopkSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
+            return TopkSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, window_left,
                             window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
                             mTopk[token, None], mTopk.shape[1], kv_start, positions)
         return FusedSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
@@ -215,7 +228,7 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         if self.index_mode:  # every listed row of the tensor is a key (IndexSpan: count = entries)
             return keys, span.count
         # the row's entry count beside its window bounds: one integer per thread, once per CTA
-        return keys, visible_entries(span, m_blk * QK_TILE_M + tTR_cS[0][0])
+        return keys, visible_entries(span, self.packed_row(m_blk, tTR_cS[0][0]))
 
     def tile_columns(self, span, keys, n):
         if not self.has_compressed:
