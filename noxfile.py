@@ -10,14 +10,14 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
     gpu_report  GPU tests + benchmarks -> $OUT/<gpu>.json (`-- --tests stage --stage e`: one stage's tests)
     cp_demo     context-parallel attention over the machine's GPUs (torchrun)
     status      record the CPU suite and render the README / docs status table
-    lint, docs  ruff; mkdocs build --strict (this machine only)
+    lint, docs  ruff and pyright (every import resolves); mkdocs build --strict (this machine only)
 """
 
 import os
 import shutil
 import sys
 
-import nox
+import nox  # pyright: ignore[reportMissingImports] (there when nox runs this)
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
@@ -117,8 +117,12 @@ def status(session):
 
 @nox.session
 def lint(session):
+    """ruff, and pyright's import check: every import resolves (tests/test_static_imports.py; the
+    project's install brings pyright, from the [test] extra, and the packages it resolves against)"""
+    _install(session)
     session.install("ruff")
     session.run("ruff", "check", ".")
+    session.run(_python(session), "tests/test_static_imports.py")
 
 
 @nox.session

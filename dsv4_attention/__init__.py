@@ -5,17 +5,12 @@ and Blackwell (sm100).
     from dsv4_attention.stages import STAGES       # every stage, in order, each with its forward
     import dsv4_attention.stages.ops               # the stages as torch custom ops
 
-One import name for the whole library, so that installing it claims nothing generic. In a source
-checkout ``common/`` and ``stages/`` sit at the top of the repository (the design card's layout)
-and this package reaches them by adding the repository to its ``__path__``; the wheel installs
-them inside the package (pyproject's package-dir), where nothing needs adding.
+One import name for the whole library, so that installing it claims nothing generic. The package
+is real on disk: ``dsv4_attention/common/`` and ``dsv4_attention/stages/`` are its subpackages, in a
+checkout as in the wheel, so static tools (pyright, an editor) resolve every import as Python does.
+The design card's top-level ``common/`` and ``stages/`` are links at the repository's root to those
+folders, for reading; nothing imports through them.
 """
-
-import os as _os
-
-_here = _os.path.dirname(_os.path.abspath(__file__))
-if not _os.path.isdir(_os.path.join(_here, "common")):  # source checkout
-    __path__.append(_os.path.dirname(_here))  # noqa: F821 - a package's __path__
 
 __all__ = ["attention", "STAGES"]
 

@@ -66,9 +66,9 @@ def test_register_split_error():
 
 
 def test_report_staleness(tmp_path):
-    (tmp_path / "common").mkdir()
-    (tmp_path / "stages").mkdir()
-    f = tmp_path / "common" / "x.py"
+    (tmp_path / "dsv4_attention" / "common").mkdir(parents=True)
+    (tmp_path / "dsv4_attention" / "stages").mkdir()
+    f = tmp_path / "dsv4_attention" / "common" / "x.py"  # named common/x.py, as in the design card
     f.write_text("a = 1\n")
     rep = {"sources": report.sources(tmp_path)}
     assert not report.is_stale(rep, tmp_path)

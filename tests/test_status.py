@@ -37,9 +37,12 @@ def _tree(root):
                            "def bench_q(dev):\n    from dsv4_attention.stages import q_two\n\n"
                            'BENCHES = {"p": bench_p, "q": bench_q}\n'),
     }
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+    for rel, text in files.items():  # common/ and stages/ are the package's, linked at the top as in the repo
+        path = root / ("dsv4_attention/" + rel if rel.startswith(("common/", "stages/")) else rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for name in ("common", "stages"):
+        (root / name).symlink_to(f"dsv4_attention/{name}")
 
 
 def test_each_stage_evidence_goes_stale_with_its_own_files_only(tmp_path):
@@ -122,8 +125,9 @@ from dsv4_attention.common.compile import compile_here
 rep = compile_here("e", "sm90", "bfloat16", 512, {"kv_shared": True, "pack_group": 128, "has_compressed": True,
                                                   "has_topk": True, "index_mode": True})
 root = pathlib.Path(sys.argv[1])
-files = sorted({pathlib.Path(m.__file__).resolve().relative_to(root).as_posix() for m in list(sys.modules.values())
-                if getattr(m, "__file__", None) and pathlib.Path(m.__file__).resolve().is_relative_to(root)})
+paths = [pathlib.Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+from dsv4_attention.common import scope  # after the compile: names the files as a report does
+files = sorted({scope.source_name(p, root) for p in paths if p.is_relative_to(root)})
 print(json.dumps({"error": rep.error, "files": files}))
 """
 

@@ -39,8 +39,10 @@ def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    for name in ("dsv4_attention", "common", "stages"):
+    for name in ("dsv4_attention", "tools"):
         shutil.copytree(os.path.join(ROOT, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("common", "stages"):  # the checkout's top-level links to the package's folders, as links
+        os.symlink(os.readlink(os.path.join(ROOT, name)), src / name)
     dist = tmp_path_factory.mktemp("dist")
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                         "--no-index", "-q", "-w", str(dist)], capture_output=True, text=True, timeout=300)
@@ -58,11 +60,19 @@ def test_wheel_claims_one_import_name(wheel):
                    "dsv4_attention/stages/d4_causal_window/sm100.py"):
         assert module in names, module
     # every stage package of the checkout ships (an editable install here would hide a missing one)
-    stages_dir = os.path.join(ROOT, "stages")
+    stages_dir = os.path.join(ROOT, "dsv4_attention", "stages")
     packages = [d for d in os.listdir(stages_dir) if os.path.isfile(os.path.join(stages_dir, d, "__init__.py"))]
     for stage in sorted(packages):
         for f in ("__init__.py", "sm90.py", "sm100.py"):
             assert f"dsv4_attention/stages/{stage}/{f}" in names, (stage, f)
+    # and so does every module of dsv4_attention.common and dsv4_attention.stages, each once, from the
+    # package's own folders (the top-level links common and stages add no package of their own)
+    package = os.path.join(ROOT, "dsv4_attention")
+    modules = sorted(os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+                     for d, _, files in os.walk(package) if "__pycache__" not in d for f in files if f.endswith(".py"))
+    assert "dsv4_attention/common/softmax.py" in modules and "dsv4_attention/stages/e_fused/sm90.py" in modules
+    shipped = sorted(n for n in names if n.endswith(".py"))
+    assert shipped == modules, sorted(set(shipped) ^ set(modules))
     assert not any(n.startswith(("tests/", "tools/")) or "/tests/" in n for n in names)
 
 

@@ -547,7 +547,7 @@ def index_row(dev, heads: int, k: int, s_kv: int, s_q: int = 4096) -> dict:
            "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {},
            "time_ratio_vs": {}, "unchecked_ms": round(unchecked_ms, 4), "unchecked_ratio_vs": {}}
     try:
-        import flashmla_peer
+        import flashmla_peer  # pyright: ignore[reportMissingImports] (GPU peer)
 
         call = lambda: flashmla_peer.sparse_prefill_fwd(q, kv, idx, scale, 512, sink, None)  # noqa: E731
         o_peer = call()[0]
@@ -634,7 +634,7 @@ def varlen_row(stage, dev, d, h, hk, requests=16, seed=0) -> dict:
            "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {}}
     calls = {"ours": lambda: stage.forward(q, k, v, **kw)}
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        from flash_attn.cute import flash_attn_varlen_func  # pyright: ignore[reportMissingImports] (GPU peer)
 
         calls["fa4"] = lambda: flash_attn_varlen_func(q, k, v, **kw)
         add_peer(row, "fa4", bench.time_ms([calls["fa4"]]), flop)

@@ -29,7 +29,7 @@ def main() -> int:
           "learnable_sink": c["learnable_sink"], "causal": True, "window_size": (127, 0)}
     calls = [("index mode", lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, softmax_scale=scale))]
     try:
-        import flashmla_peer
+        import flashmla_peer  # pyright: ignore[reportMissingImports] (GPU peer)
 
         calls.append(("flashmla sparse prefill", lambda: flashmla_peer.sparse_prefill_fwd(q, kv, idx, scale, 512,
                                                                                            sink, None)))

@@ -34,20 +34,14 @@ import pathlib
 
 from dsv4_attention.common import scope
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = scope.ROOT
 RESULTS = ROOT / "docs" / "results"
-SOURCE_DIRS = ("dsv4_attention", "stages", "common")
 
 
 def sources(root: pathlib.Path = ROOT) -> dict:
-    """sha256 of every .py file under stages/ and common/, keyed by its repo-relative path."""
-    out = {}
-    for d in SOURCE_DIRS:
-        for p in sorted((root / d).rglob("*.py")):
-            if "__pycache__" in p.parts:
-                continue
-            out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+    """sha256 of every .py file of the library (dsv4_attention/, stages/ and common/), keyed by its
+    repo-relative path in the design card's layout (``common/x.py``: ``scope.source_name``)."""
+    return {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in scope.source_files(root).items()}
 
 
 def stale_files(report: dict, root: pathlib.Path = ROOT) -> list:

@@ -31,28 +31,49 @@ import functools
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: this file is dsv4_attention/common/scope.py
 PACKAGE = "dsv4_attention"
+# A report names each source file by its path in the design card's layout (``common/x.py``,
+# ``stages/s/x.py``, ``dsv4_attention/__init__.py``): the top-level ``common`` and ``stages`` are
+# links to the package's own folders, ``dsv4_attention/common`` and ``dsv4_attention/stages``,
+# which are the ones read (a copy that drops the links loses no source file).
 SOURCE_DIRS = ("dsv4_attention", "stages", "common")
 WHOLE_TREE = ("none", "calls", "decode", "cp")
 KERNEL_STRING = re.compile(r"^(dsv4_attention(?:\.\w+)+):\w+$")
 NORMAL, REGISTERED = 2, 1  # how a file was reached: by an import, or only by the stage registry
 
 
+def stages_dir(root: pathlib.Path = ROOT) -> pathlib.Path:
+    return root / PACKAGE / "stages"
+
+
+def source_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    """A file's name in a report: its repo-relative path, a file of the package's ``common`` or
+    ``stages`` named by the top-level link (``dsv4_attention/common/x.py`` -> ``common/x.py``)."""
+    parts = pathlib.Path(path).resolve().relative_to(pathlib.Path(root).resolve()).parts
+    if len(parts) > 2 and parts[0] == PACKAGE and parts[1] in ("common", "stages"):
+        parts = parts[1:]
+    return "/".join(parts)
+
+
+def source_files(root: pathlib.Path = ROOT) -> dict:
+    """{name in a report: file} for every .py file of the library, read from the package's folders,
+    in SOURCE_DIRS' order."""
+    files = [p for p in (root / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts]
+    named = sorted((source_name(p, root), p) for p in files)
+    return dict(sorted(named, key=lambda item: SOURCE_DIRS.index(item[0].split("/")[0])))
+
+
 def all_sources(root: pathlib.Path = ROOT) -> list:
-    """Every .py file under the source folders, repo-relative (what a report hashes)."""
-    return sorted(p.relative_to(root).as_posix() for d in SOURCE_DIRS for p in (root / d).rglob("*.py")
-                  if "__pycache__" not in p.parts)
+    """Every .py file of the library, by its name in a report (what a report hashes), sorted."""
+    return sorted(source_files(root))
 
 
 def module_file(name: str, root: pathlib.Path, importer: pathlib.Path | None = None) -> pathlib.Path | None:
     """The file of module ``name`` in this repository, or None (a module from elsewhere).
-    ``dsv4_attention.common.x`` and ``common.x`` are both common/x.py (the package reaches the
-    repository's folders through its ``__path__``); a bare name imported by a test file may be a
-    helper beside it in tests/ (pytest puts that folder on sys.path)."""
+    ``dsv4_attention.common.x`` is dsv4_attention/common/x.py; a bare name imported by a test file
+    may be a helper beside it in tests/ (pytest puts that folder on sys.path)."""
     parts = name.split(".")
-    if parts[0] == PACKAGE:
-        parts = parts[1:] if len(parts) > 1 and parts[1] in ("common", "stages") else [PACKAGE, *parts[1:]]
     bases = [root]
     if importer is not None and importer.parent.name == "tests":
         bases.append(importer.parent)
@@ -120,13 +141,13 @@ def edges(path: pathlib.Path, root: pathlib.Path) -> tuple:
             if m and (f := module_file(m.group(1), root)) is not None:
                 strings.append(f)
     registry = []
-    if path == root / "stages" / "__init__.py":
-        registry = sorted((root / "stages").glob("*/__init__.py"))
+    if path == (stages_dir(root) / "__init__.py").resolve():
+        registry = sorted(stages_dir(root).glob("*/__init__.py"))
     return imports, strings, registry
 
 
 def closure(seeds, root: pathlib.Path = ROOT) -> set:
-    """Every file reached from ``seeds`` ({path: NORMAL or REGISTERED}), repo-relative."""
+    """Every file reached from ``seeds`` ({path: NORMAL or REGISTERED}), by its name in a report."""
     mode = {}
     todo = list(seeds.items())
     while todo:
@@ -140,12 +161,12 @@ def closure(seeds, root: pathlib.Path = ROOT) -> set:
         todo += [(f, REGISTERED) for f in registry]
         if how == NORMAL:
             todo += [(f, NORMAL) for f in strings]
-    return {p.relative_to(root).as_posix() for p in mode}
+    return {source_name(p, root) for p in mode}
 
 
 def stage_folder(stage_id: str, root: pathlib.Path = ROOT) -> pathlib.Path:
     """The package of stage ``stage_id`` (the one whose __init__.py says ``ID = "<id>"``)."""
-    for init in sorted((root / "stages").glob("*/__init__.py")):
+    for init in sorted(stages_dir(root).glob("*/__init__.py")):
         for node in _tree(init).body:
             if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ID" for t in node.targets)
                     and isinstance(node.value, ast.Constant) and node.value.value == stage_id):
@@ -202,7 +223,7 @@ def scope(group: str, kind: str = "tests", root: pathlib.Path = ROOT) -> list:
 def stage_ids(root: pathlib.Path = ROOT) -> list:
     """Every stage's ID, in the order of its package's name (a_..., b_..., ..., e_...)."""
     out = []
-    for init in sorted((root / "stages").glob("*/__init__.py")):
+    for init in sorted(stages_dir(root).glob("*/__init__.py")):
         for node in _tree(init).body:
             if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ID" for t in node.targets)
                     and isinstance(node.value, ast.Constant)):
