@@ -5,7 +5,8 @@ way on the GPU machine, where it is called as ``nox -fb none --no-install -s NAM
     tests       all tests (GPU tests skip, saying why, where their architecture is absent)
     stage_<id>  one stage's tests (CPU part here, GPU part on a GPU): stage_a, stage_b, stage_c
     bench       benchmarks against the peers (GPU)
-    demo        the main job: newest stage on a GPU, or compile everything without one
+    demo        the main job: DeepSeek-V4's shapes on a GPU, or their kernels compiled without one
+    compile_sweep  every stage at every head dim compiled for both architectures
     compare     one row per stage: what it adds, compile time and resources, GPU error and time
     gpu_report  GPU tests + benchmarks -> $OUT/<gpu>.json (`-- --tests stage --stage e`: one stage's tests)
     cp_demo     context-parallel attention over the machine's GPUs (torchrun)
@@ -84,6 +85,13 @@ def warmup(session):
 def demo(session):
     _install(session)
     session.run(_python(session), "-m", "tools.demo", *session.posargs)
+
+
+@nox.session
+def compile_sweep(session):
+    """every stage at every head dim compiled for sm_90a and sm_100a (no GPU needed; tens of minutes)"""
+    _install(session)
+    session.run(_python(session), "-m", "tools.demo", "--sweep", *session.posargs)
 
 
 @nox.session
