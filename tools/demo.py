@@ -120,18 +120,12 @@ def compile_sweep() -> int:
     return 1 if failed else 0
 
 
-def _row_errors(o, o_ref):
-    from dsv4_attention.common.testing import errors
-
-    return errors(o, o_ref)
-
-
 def run_dsv4() -> int:
     import torch
 
     from dsv4_attention.common import bench
     from dsv4_attention.common.reference import dsv4_index_attention, fused_attention
-    from dsv4_attention.common.testing import O_REL, random_bshd, random_index_lists
+    from dsv4_attention.common.testing import O_REL, errors, random_bshd, random_index_lists
     from dsv4_attention.stages import e_fused
 
     dev = torch.device("cuda", 0)
@@ -148,24 +142,27 @@ def run_dsv4() -> int:
         print(f"  {name:44s} rel {e.rel_fro:.1e} worst row {e.row_rel:.1e} {'ok' if ok else 'FAIL'}  "
               f"{ms:7.3f} ms {bench.tflops(flop, ms):6.1f} TFLOP/s{extra}", flush=True)
 
-    def layer(name, b, s, heads, ratio, topk, ref_rows):
-        q = random_bshd(b, s, heads, 512, torch.bfloat16, dev, generator=g)
-        kv = random_bshd(b, s, 1, 512, torch.bfloat16, dev, generator=g)
-        n_c = s // ratio
-        ckv = random_bshd(b, n_c, 1, 512, torch.bfloat16, dev, generator=g)
+    def layer(name, b, sq, sk, ratio, topk, checked):
+        """One V4 layer call (128 heads; window, sink, entries of ``ratio``, ``topk`` lists or all),
+        checked against the reference on ``checked``: (request slice, token slice)."""
+        heads, n_c = 128, sk // ratio
+        q = random_bshd(b, sq, heads, 512, torch.bfloat16, dev, generator=g)
+        kv = random_bshd(b, sk, 1, 512, torch.bfloat16, dev, generator=g)
         kw = {"causal": True, "window_size": (127, 0), "learnable_sink": torch.randn(heads, generator=g).to(dev),
-              "compressed_kv": ckv, "compress_ratio": ratio}
+              "compressed_kv": random_bshd(b, n_c, 1, 512, torch.bfloat16, dev, generator=g), "compress_ratio": ratio}
         if topk:
-            kw["topk_indices"] = torch.stack([random_index_lists(s, topk, n_c, g, pad=0.05) for _ in range(b)]).to(dev)
+            kw["topk_indices"] = torch.stack([random_index_lists(sq, topk, n_c, g, pad=0.05) for _ in range(b)]).to(dev)
         o, _ = e_fused.forward(q, kv, **kw)
-        rows = slice(s - ref_rows, s)
-        ref_kw = dict(kw, positions=torch.arange(s - ref_rows, s, device=dev))
+        reqs, toks = checked
+        ref_kw = dict(kw, compressed_kv=kw["compressed_kv"][reqs],
+                      positions=torch.arange(sk - sq, sk, device=dev)[toks])  # bottom-right: token t at sk - sq + t
         if topk:
-            ref_kw["topk_indices"] = kw["topk_indices"][:, rows]
-        o_ref, _ = fused_attention(q[:, rows], kv, **ref_kw)
-        ms = bench.time_ms([lambda: e_fused.forward(q, kv, **kw)])
-        flop = e_fused.flops(b, s, s, heads, 512, True, (127, 0), ratio, n_c, topk)
-        show(f"{name} (last {ref_rows} rows checked)", _row_errors(o[:, rows], o_ref), ms, flop)
+            ref_kw["topk_indices"] = kw["topk_indices"][reqs, toks]
+        o_ref, _ = fused_attention(q[reqs, toks], kv[reqs], **ref_kw)
+        ms = bench.time_ms([lambda q=q, kv=kv, kw=kw: e_fused.forward(q, kv, **kw)])
+        show(name, errors(o[reqs, toks], o_ref), ms,
+             e_fused.flops(b, sq, sk, heads, 512, True, (127, 0), ratio, n_c, topk))
+        del q, kv, kw, o, o_ref
         torch.cuda.empty_cache()
 
     def index(heads, k, s_q=4096, s_kv=8192):
@@ -178,8 +175,6 @@ def run_dsv4() -> int:
         length = torch.full((256,), k, dtype=torch.int32, device=dev)
         o_ref, _ = dsv4_index_attention(q[rows], kv[:, 0], idx[rows, 0], length, sink)
         ms = bench.time_ms([lambda: e_fused.index_attention(q, kv, idx, attn_sink=sink, check_indices=False)])
-        flop = 4 * s_q * k * heads * 512
-        extra = ""
         try:
             import flashmla_peer  # pyright: ignore[reportMissingImports] (the device pack's FlashMLA)
 
@@ -189,36 +184,20 @@ def run_dsv4() -> int:
             extra = f"  FlashMLA {peer_ms:.3f} ms: ours / FlashMLA {ms / peer_ms:.2f}x (max|diff| {diff:.1e})"
         except Exception as e:  # noqa: BLE001 - FlashMLA is a peer of the device pack, not a dependency
             extra = f"  (FlashMLA not run: {type(e).__name__})"
-        show(f"index mode h{heads} top-{k}, {s_q} tokens (last 256 checked)", _row_errors(o[rows], o_ref), ms, flop,
-             extra)
+        show(f"index mode h{heads} top-{k}, {s_q} tokens (last 256 checked)", errors(o[rows], o_ref), ms,
+             4 * s_q * k * heads * 512, extra)
 
     print("prefill")
-    layer("HCA layer, 4096 tokens, 128 heads", 1, 4096, 128, 128, None, 256)
-    layer("CSA layer, 4096 tokens, 128 heads, top-512", 1, 4096, 128, 4, 512, 128)
+    last = slice(0, 1)
+    layer("HCA layer, 4096 tokens (last 256 checked)", 1, 4096, 4096, 128, None, (last, slice(4096 - 256, 4096)))
+    layer("CSA layer, 4096 tokens, top-512 (last 128 checked)", 1, 4096, 4096, 4, 512, (last, slice(4096 - 128, 4096)))
     index(64, 512)
     index(128, 1024)
     print("decode (batch 64, 2 tokens each, 8192 keys; eager calls: CSA's includes the default check of its "
           "lists, one device synchronisation)")
-    layer_decode = [("HCA decode", 128, None), ("CSA decode, top-512", 4, 512)]
-    for name, ratio, topk in layer_decode:
-        b, sq, sk, heads = 64, 2, 8192, 128
-        q = random_bshd(b, sq, heads, 512, torch.bfloat16, dev, generator=g)
-        kv = random_bshd(b, sk, 1, 512, torch.bfloat16, dev, generator=g)
-        n_c = sk // ratio
-        ckv = random_bshd(b, n_c, 1, 512, torch.bfloat16, dev, generator=g)
-        kw = {"causal": True, "window_size": (127, 0), "learnable_sink": torch.randn(heads, generator=g).to(dev),
-              "compressed_kv": ckv, "compress_ratio": ratio}
-        if topk:
-            kw["topk_indices"] = torch.stack([random_index_lists(sq, topk, n_c, g, pad=0.05) for _ in range(b)]).to(dev)
-        o, _ = e_fused.forward(q, kv, **kw)
-        # the float64 reference of 4 requests (all 64 would expand K to 128 heads: 256 GB)
-        ref_kw = {n: (x[:4] if n in ("compressed_kv", "topk_indices") else x) for n, x in kw.items()}
-        o_ref, _ = fused_attention(q[:4], kv[:4], **ref_kw)
-        ms = bench.time_ms([lambda kw=kw, q=q, kv=kv: e_fused.forward(q, kv, **kw)])
-        flop = e_fused.flops(b, sq, sk, heads, 512, True, (127, 0), ratio, n_c, topk)
-        show(f"{name} (4 requests checked)", _row_errors(o[:4], o_ref), ms, flop)
-        del q, kv, ckv, kw, o, o_ref
-        torch.cuda.empty_cache()
+    # the float64 reference of 4 requests: all 64 would expand K to 128 heads (256 GB)
+    layer("HCA decode (4 requests checked)", 64, 2, 8192, 128, None, (slice(0, 4), slice(None)))
+    layer("CSA decode, top-512 (4 requests checked)", 64, 2, 8192, 4, 512, (slice(0, 4), slice(None)))
     print("\nDecode from paged FP8 caches and a backward pass are not in the library yet (issues 43, 44).")
     return 1 if bad else 0
 
