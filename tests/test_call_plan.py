@@ -259,6 +259,21 @@ def test_a_split_call_is_planned_with_fresh_partial_buffers(kernel, num_splits):
     assert planned[6 + interface.MASK_ARGS.index("num_splits")] == chosen
 
 
+def test_a_planned_split_call_keeps_its_merge(kernel, monkeypatch):
+    """The merge of a planned split call is resolved once (split_kv.merge_for, the compiled merge's
+    lookup) and kept in its SplitPlan: the full path's call looks it up, the first replay once
+    more, later replays never."""
+    looked_up = []
+    real = split_kv.merge_for
+    monkeypatch.setattr(split_kv, "merge_for", lambda *a: looked_up.append(1) or real(*a))
+    q, kv, sink = split_case()
+    for _ in range(4):
+        e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3)
+    (plan,) = call_plan._PLANS.values()
+    assert isinstance(plan, call_plan.SplitPlan) and plan.merge is not None
+    assert len(looked_up) == 2
+
+
 def test_the_split_comparison_rejects_a_plan_with_another_split_count(kernel):
     """Negative control: a plan whose split count is not the call's hands the kernel partial
     buffers of the wrong size, and the comparison above must see it."""

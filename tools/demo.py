@@ -40,39 +40,18 @@ def dsv4_configurations() -> list:
 
 
 def _compile_one(config):
-    """Worker (a spawned process, file cache off): compile one configuration once, with ptxas's
-    resource report captured, and return its CompileReport (common/compile.py's fields). One compile
-    a configuration, where compile_report's child compiles twice (timed, then for the report)."""
+    """Worker (a spawned process, file cache off): compile one configuration once, ptxas's resource
+    report captured (``compile_here(once=True)``), and return its CompileReport as JSON."""
     import dataclasses
     import json
 
-    import torch
-
-    from dsv4_attention import stages
-    from dsv4_attention.common import jit
-    from dsv4_attention.common.arch import target_arch
-    from dsv4_attention.common.compile import CompileReport, _CaptureStderr, parse_ptxas
+    from dsv4_attention.common.compile import CompileReport, compile_here
 
     arch, stage_id, dtype_name, head_dim, options = config
-    rep = CompileReport(stage_id, arch, dtype_name, head_dim, options=dict(options))
     try:
-        dtype = getattr(torch, dtype_name)
-        mod = stages.get(stage_id).module
-        args = mod.example_args(dtype, head_dim, **options)
-        with target_arch(arch):
-            kernel = mod.make_kernel(arch, dtype, head_dim, **options)
-            t0 = time.perf_counter()
-            with _CaptureStderr() as cap:
-                jit.compile_kernel(kernel, args, arch, "remarks{ptx}")
-            rep.seconds = round(time.perf_counter() - t0, 3)
-            rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
-            tmem = getattr(kernel, "tmem_columns", None)
-            rep.tmem_columns = None if tmem is None else int(tmem)
-        res = parse_ptxas(cap.text)
-        rep.warnings = res.pop("warnings")
-        for k, v in res.items():
-            setattr(rep, k, v)
+        rep = compile_here(stage_id, arch, dtype_name, head_dim, dict(options), once=True)
     except Exception as e:  # noqa: BLE001 - reported as a failed row
+        rep = CompileReport(stage_id, arch, dtype_name, head_dim, options=dict(options))
         rep.error = f"{type(e).__name__}: {e}"
     return json.dumps(dataclasses.asdict(rep))
 

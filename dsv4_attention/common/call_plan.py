@@ -99,10 +99,11 @@ class SplitPlan:
     extra slots ``SPLIT_EXTRA`` and ``SPLIT_EXTRA + 1``) run on fresh partial buffers, then their
     merge into O and LSE with the sink (extra tensor 0), as the full path does."""
 
-    __slots__ = ("inner", "splits")
+    __slots__ = ("inner", "splits", "merge")
 
     def __init__(self, inner: Plan, splits: int):
         self.inner, self.splits = inner, splits
+        self.merge = None  # the compiled merge (split_kv.merge_for), resolved by the first replay
 
     def __call__(self, q, k, v, out, lse_out, extra):
         from dsv4_attention.common import split_kv
@@ -111,7 +112,9 @@ class SplitPlan:
         o_part, lse_part = split_kv.partial_buffers(self.splits, tuple(q.shape), (b, h, sq), q.device)
         extra = (*extra, *(None,) * (SPLIT_EXTRA - len(extra)), o_part, lse_part)
         o, lse = self.inner(q, k, v, out, lse_out, extra)
-        return split_kv.combine(o_part, lse_part, o, lse, extra[0])
+        if self.merge is None:
+            self.merge = split_kv.merge_for(o_part, lse_part, o, lse, extra[0])
+        return self.merge(o_part, lse_part, o, lse, extra[0])
 
 
 def key_of(stage_id: str, q, k, v, softmax_scale, out, lse_out, plan, extra: tuple):
@@ -170,6 +173,8 @@ def record_split(key, splits: int) -> None:
 
 
 def note_splits(splits: int | None) -> None:
+    """Set what :func:`last_splits` reports for the current thread (None: the call has launched
+    nothing yet; the full path notes its count once it launches)."""
     _last.splits = splits
 
 

@@ -1,6 +1,6 @@
 """Compressed entries: which ones a query sees, and the span of a Q tile over window + compressed keys.
 
-DeepSeek-V4 (``../shared/spec/dsv4-attention.md``) attends, in one softmax, to the union of two
+DeepSeek-V4 (docs/function.md) attends, in one softmax, to the union of two
 disjoint key sets: its sliding window over the raw KV rows (stage D4's span) and the entries of a
 second KV tensor of compressed rows (the same head_dim, K = V). With compression ratio r, entry j
 is visible to the query at absolute position t iff

@@ -17,6 +17,7 @@ import torch
 
 from dsv4_attention.common import call_plan, jit
 from dsv4_attention.common.arch import arch_of_device
+from dsv4_attention.common.autograd import refuse_grad
 from dsv4_attention.common.validation import check_out, check_qkv, check_scale
 
 LOG2E = math.log2(math.e)
@@ -74,6 +75,7 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     tensors the kernel may take (common/call_plan.py). A call whose signature has a plan skips
     everything but the alignment check and the allocation of its outputs. ``plan_key``: the
     signature, where the caller already looked it up (and found no plan)."""
+    refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v)
     key = plan_key
     if plan is not None and key is None:
         key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
@@ -186,6 +188,8 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     fresh partial buffers each call; ``call_plan.last_splits`` reports the count). An option
     that is not used is not passed to the kernel, so each stage's kernel compiles only what the
     call needs."""
+    refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v, learnable_sink=learnable_sink,
+                compressed_kv=compressed_kv)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     plan = plan_key = None
     # a call whose checks read tensor values (lengths, lists, positions) is validated every time

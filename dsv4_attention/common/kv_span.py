@@ -41,6 +41,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.dsl_state import DslState
+
 
 def visible_at(p: int, j: int, seqlen_k: int, left, right) -> bool:
     """The plain formula, one (query at position p of the keys' frame, key j) pair: for tests and
@@ -176,7 +178,7 @@ def mask_tile(acc: cute.Tensor, tScS: cute.Tensor, first_row, group: cutlass.Con
         acc[i] = -cutlass.Float32.inf if hide else acc[i]
 
 
-class KvSpan:
+class KvSpan(DslState):
     """One Q tile's keys, as the kernels use them: ``origin`` (first key of KV tile 0) and
     ``n_tiles``, and the masks of its tiles. Built once per CTA from the tile's rows
     (``rows`` packed rows of ``group`` heads per token: seqlen_q = rows // group); ``left`` /
@@ -212,25 +214,6 @@ class KvSpan:
         """The tile of visit v: the kernels visit tiles last first, from n_end - 1."""
         end = self.n_tiles if self.n_end is None else self.n_end
         return end - 1 - v
-
-    def __extract_mlir_values__(self):
-        values, self._counts = [], []
-        for name in self._DYNAMIC:
-            x = getattr(self, name)
-            v = [] if x is None or isinstance(x, int) else cutlass.extract_mlir_values(x)
-            self._counts.append(len(v))
-            values += v
-        return values
-
-    def __new_from_mlir_values__(self, values):
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        at = 0
-        for name, n in zip(self._DYNAMIC, self._counts, strict=True):
-            if n:
-                setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[at:at + n]))
-            at += n
-        return new
 
     def first_key(self, n):
         return self.origin + n * self.tile_n

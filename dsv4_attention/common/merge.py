@@ -19,9 +19,21 @@ import torch
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
                     *, lse_layout: str = "bhs"):
-    """(O, LSE) of the union of two disjoint key sets. o: [batch, seqlen, heads, d] with lse
-    [batch, heads, seqlen] (``lse_layout="bhs"``, the stages' convention), or o [total, heads, d]
-    with lse [heads, total] (``"ht"``, variable-length batches)."""
+    """(O, LSE) of the union of two disjoint key sets (torch: differentiable).
+
+    Args:
+        o1, o2: [batch, seqlen, heads, d] (``lse_layout="bhs"``, the stages' convention) or
+            [total, heads, d] (``"ht"``, variable-length batches), the same shape.
+        lse1, lse2: [batch, heads, seqlen] ("bhs") or [heads, total] ("ht"), natural log;
+            -inf for a row with no key on that side.
+        lse_layout: "bhs" or "ht".
+
+    Returns:
+        (o in o1's dtype, lse fp32); O = 0, LSE = -inf where both sides are empty.
+
+    Raises:
+        ValueError: shapes that do not match, or an unknown layout.
+    """
     if o1.shape != o2.shape or lse1.shape != lse2.shape:
         raise ValueError(f"the two sides must match: o {tuple(o1.shape)} vs {tuple(o2.shape)}, "
                          f"lse {tuple(lse1.shape)} vs {tuple(lse2.shape)}")

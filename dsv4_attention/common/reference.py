@@ -145,7 +145,7 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
 
 
 def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
-    """The spec's reference (../shared/spec/dsv4-attention.md), in float64: q [T, H, d], kv [N, d]
+    """DeepSeek-V4's index-mode function (docs/function.md), in float64: q [T, H, d], kv [N, d]
     (K = V), idx [T, K] int32 rows of kv (-1 = none), idx_len [T] (entries past it ignored), sink
     [H] or None. Returns (O [T, H, d], LSE [T, H]); a row with no valid index: O = 0, LSE = -inf."""
     T, K = idx.shape

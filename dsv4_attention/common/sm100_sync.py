@@ -26,8 +26,10 @@ import cutlass
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import tcgen05
 
+from dsv4_attention.common.dsl_state import DslState
 
-class UseCountedBarriers:
+
+class UseCountedBarriers(DslState):
     """``slots`` mbarriers in SMEM at ``storage`` (``MemRange[Int64, slots]``), each expecting
     ``arrivals`` arrivals per phase. ``by_mma``: the arrival is a ``tcgen05.commit`` by one thread
     of the MMA warp (``arrivals`` must be 1). Initialised by warp 0 when constructed; publish with
@@ -43,14 +45,7 @@ class UseCountedBarriers:
         self.bars = pipeline.MbarrierArray(storage, slots, (op, group))
 
     # a runtime loop carries the barrier pointer through its iterations
-    def __extract_mlir_values__(self):
-        return self.bars.__extract_mlir_values__()
-
-    def __new_from_mlir_values__(self, values):
-        new = object.__new__(UseCountedBarriers)
-        new.by_mma, new.slots = self.by_mma, self.slots
-        new.bars = self.bars.__new_from_mlir_values__(values)
-        return new
+    _DYNAMIC = ("bars",)
 
     def arrive(self, slot):
         """This thread's arrival on ``slot`` (by_mma: one tcgen05.commit, elected in the warp)."""
@@ -69,7 +64,7 @@ class UseCountedBarriers:
         self.bars.wait(slot, (use & 1) ^ 1)
 
 
-class Handoff:
+class Handoff(DslState):
     """One-slot producer -> consumer exchanges, ``slots`` of them, each between ``arrivals``
     producer threads and ``arrivals`` consumer threads. ``storage`` holds 2 * slots mbarriers
     (full, then empty)."""
@@ -78,15 +73,7 @@ class Handoff:
         self.full = UseCountedBarriers(storage, slots, arrivals)
         self.empty = UseCountedBarriers(storage + slots, slots, arrivals)
 
-    def __extract_mlir_values__(self):
-        return self.full.__extract_mlir_values__() + self.empty.__extract_mlir_values__()
-
-    def __new_from_mlir_values__(self, values):
-        new = object.__new__(Handoff)
-        n = len(self.full.__extract_mlir_values__())
-        new.full = self.full.__new_from_mlir_values__(values[:n])
-        new.empty = self.empty.__new_from_mlir_values__(values[n:])
-        return new
+    _DYNAMIC = ("full", "empty")
 
     def producer_acquire(self, slot, use):
         self.empty.wait_released(slot, use)

@@ -12,6 +12,8 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from dsv4_attention.common.dsl_state import DslState
+
 
 class Sm90FwdBarrier(enum.IntEnum):
     # all consumer warpgroups: sO may be overwritten (every wgmma that read sQ is
@@ -82,7 +84,7 @@ def pingpong_pass(wg: cutlass.Int32, num_wg: cutlass.Constexpr[int]):
 # ---- one warpgroup hands data in SMEM to another, once per round (stage D1's seesaw) ----
 
 
-class Handoff:
+class RoundHandoff(DslState):
     """An mbarrier that the 128 threads of one warpgroup arrive on once their SMEM writes of a
     round are done (each thread's arrive releases its own writes: the PTX memory model's
     mbarrier.arrive.release), and that the other warpgroup waits for (acquire) before reading
@@ -97,11 +99,7 @@ class Handoff:
     def __init__(self, bar: cute.Pointer):
         self.bar = bar
 
-    def __extract_mlir_values__(self):
-        return cutlass.extract_mlir_values(self.bar)
-
-    def __new_from_mlir_values__(self, values):
-        return Handoff(cutlass.new_from_mlir_values(self.bar, values))
+    _DYNAMIC = ("bar",)
 
     @cute.jit
     def init(self):

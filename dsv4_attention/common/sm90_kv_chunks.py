@@ -41,12 +41,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
+from dsv4_attention.common.dsl_state import DslState
 from dsv4_attention.common.sm90_gemm import tile_tma_partition
 
 CHUNK_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 
 
-class KvChunkRing:
+class KvChunkRing(DslState):
     def __init__(self, full: cute.Pointer, empty: cute.Pointer, slots: int, chunks: int, chunk_bytes: int,
                  consumer_warps: int, full_arrivals: int = 1, lanes_read_slot: bool = False,
                  halves: tuple | None = None, r_chunk: int = 0):
@@ -63,16 +64,7 @@ class KvChunkRing:
         self.consumer_warps = consumer_warps
 
     # DSL control flow carries the object through its two barrier pointers (the rest is static)
-    def __extract_mlir_values__(self):
-        return [v for x in (self.full, self.empty) for v in cutlass.extract_mlir_values(x)]
-
-    def __new_from_mlir_values__(self, values):
-        n = len(cutlass.extract_mlir_values(self.full))
-        new = object.__new__(KvChunkRing)
-        new.__dict__.update(self.__dict__)
-        new.full = cutlass.new_from_mlir_values(self.full, values[:n])
-        new.empty = cutlass.new_from_mlir_values(self.empty, values[n:])
-        return new
+    _DYNAMIC = ("full", "empty")
 
     @staticmethod
     def barrier_count(slots: int, chunks: int, halves: bool = False) -> tuple[int, int]:

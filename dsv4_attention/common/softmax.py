@@ -26,6 +26,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.dsl_state import DslState
+
 LN2 = math.log(2.0)
 QUAD = 4  # lanes sharing one accumulator row
 
@@ -44,10 +46,9 @@ def acc_rows_view(acc: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def quad_allreduce(x: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
-    """op-reduce x over the 4 lanes of this lane's quad; every lane gets the result."""
-    for i in cutlass.range_constexpr(int(math.log2(QUAD))):
-        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1 << i))
-    return x
+    """op-reduce x over the 4 lanes of this lane's quad; every lane gets the result (the DSL's
+    butterfly over groups of 4 lanes: offsets 2, then 1)."""
+    return cute.arch.warp_reduction(x, op, threads_in_group=QUAD)
 
 
 def _fmax(a, b):
@@ -140,7 +141,7 @@ def _sum_tree(values: list):
     return acc[0]
 
 
-class OnlineSoftmax:
+class OnlineSoftmax(DslState):
     """The running statistics of the rows a thread holds in a wgmma accumulator,
     updated one KV tile at a time (same exp2 domain as ``softmax_rows``).
 
@@ -169,21 +170,7 @@ class OnlineSoftmax:
         self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
 
     # A runtime loop carries the object through its IR values (scale, the two tensors).
-    def __extract_mlir_values__(self):
-        parts = (self.scale_log2, self.row_max, self.row_sum)
-        self._counts = [len(cutlass.extract_mlir_values(x)) for x in parts]
-        return [v for x in parts for v in cutlass.extract_mlir_values(x)]
-
-    def __new_from_mlir_values__(self, values):
-        new = object.__new__(OnlineSoftmax)
-        parts, at = [], 0
-        for x, n in zip((self.scale_log2, self.row_max, self.row_sum), self._counts, strict=True):
-            parts.append(cutlass.new_from_mlir_values(x, values[at:at + n]))
-            at += n
-        new.scale_log2, new.row_max, new.row_sum = parts
-        new._counts = self._counts
-        new.may_be_empty = self.may_be_empty
-        return new
+    _DYNAMIC = ("scale_log2", "row_max", "row_sum")
 
     @cute.jit
     def tile_max(self, acc: cute.Tensor) -> cute.Tensor:

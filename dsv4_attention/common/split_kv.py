@@ -125,21 +125,37 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: 
             sink: torch.Tensor | None = None):
     """Merge the S partial attentions (``partial_buffers``' layout) of each row into ``o`` (its
     dtype) and ``lse`` in place, the sink's sigmoid applied to O: one launch of
-    ``common/split_combine.SplitCombine``
-    on a GPU (a decode step's merge is a few microseconds; torch's dozen kernels cost more than
-    the split saved), ``combine_torch`` on the CPU."""
-    if not o.is_cuda:
-        return combine_torch(o_part, lse_part, o, lse, sink)
-    from dsv4_attention.common import jit
-    from dsv4_attention.common.arch import arch_of_device
+    ``common/split_combine.SplitCombine`` on a GPU (a decode step's merge is a few microseconds;
+    torch's dozen kernels cost more than the split saved), ``combine_torch`` on the CPU."""
+    return merge_for(o_part, lse_part, o, lse, sink)(o_part, lse_part, o, lse, sink)
 
-    s = o_part.shape[0] // o.shape[0]
-    options = {"has_sink": sink is not None}
-    args = [o_part, lse_part, o, lse, sink, s, jit.STREAM]
-    fn = jit.stage_kernel("split_combine", COMBINE_KERNELS, arch_of_device(o.device), o.dtype, o.shape[3], args,
-                          options)
-    fn(*jit.call_args(args))
-    return o, lse
+
+def merge_for(o_part, lse_part, o, lse, sink):
+    """The merge a call of this signature runs (called as ``combine``): the compiled one
+    (:class:`Merge`) on a GPU, ``combine_torch`` on the CPU."""
+    return Merge(o_part, lse_part, o, lse, sink) if o.is_cuda else combine_torch
+
+
+class Merge:
+    """The compiled merge for one call signature (O's dtype, head dim and device; with or without
+    a sink), looked up once from a call's buffers: a planned split call (``call_plan.SplitPlan``)
+    keeps its ``Merge`` and calls it with each call's buffers, no lookup repeated per call."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, o_part, lse_part, o, lse, sink):
+        from dsv4_attention.common import jit
+        from dsv4_attention.common.arch import arch_of_device
+
+        args = [o_part, lse_part, o, lse, sink, o_part.shape[0] // o.shape[0], jit.STREAM]
+        self.fn = jit.stage_kernel("split_combine", COMBINE_KERNELS, arch_of_device(o.device), o.dtype, o.shape[3],
+                                   args, {"has_sink": sink is not None})
+
+    def __call__(self, o_part, lse_part, o, lse, sink):
+        from dsv4_attention.common import jit
+
+        self.fn(*jit.call_args([o_part, lse_part, o, lse, sink, o_part.shape[0] // o.shape[0], jit.STREAM]))
+        return o, lse
 
 
 #: the merge kernel (common/split_combine.py), architecture-neutral: plain loads and stores

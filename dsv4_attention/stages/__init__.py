@@ -12,6 +12,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from dsv4_attention.common import call_plan
+from dsv4_attention.common.autograd import refuse_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,32 +60,54 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     """The library's attention (``from dsv4_attention import attention``): softmax(q k^T scale) v
     with FlashAttention-4's conventions, computed by the newest stage (:data:`FINAL`).
 
-    q [batch, seqlen_q, heads, head_dim], k and v [batch, seqlen_k, kv_heads, head_dim] (bf16 or
-    fp16, head dims 64-512; v None or the same tensor as k: K = V); ``causal`` and ``window_size``
-    (left, right) with bottom-right alignment; ``seqused_k`` [batch] int32 keys per request;
-    ``pack_gqa`` folds the query heads of a KV head into a tile's rows (None: by shape).
-    Variable-length batches: ``cu_seqlens_q`` / ``cu_seqlens_k`` ([requests + 1] int32) over q
-    [total_q, heads, head_dim] and k, v [total_k, kv_heads, head_dim] (lse then [heads, total_q]).
-    ``learnable_sink`` ([heads] fp32): the attention sink, O *= sigmoid(LSE - sink[h]).
     DeepSeek-V4: ``attention(q, kv, compressed_kv=ckv, compress_ratio=128, window_size=(127, 0),
     learnable_sink=sink)`` attends, in one softmax, to the window and to the compressed entries
-    j < floor((t' + 1) / ratio) (stage E; its HCA layers), or only those ``topk_indices``
-    ([batch, seqlen_q, k] int32, -1 padded) lists per token (its CSA layers). ``positions``
-    ([seqlen_q] or [batch, seqlen_q] int32, non-decreasing): the query tokens' absolute positions
-    instead of bottom-right alignment (a prefill chunk anywhere in its sequence), raw key j at
-    absolute position ``kv_start`` + j (``kv`` holding only a sequence's last rows). With
-    cu_seqlens, compressed_kv is packed like kv ([total_entries, kv_heads, head_dim]; request b's
-    entries start at ``cu_seqlens_compressed[b]``, by default floor(keys / ratio) per request),
-    topk_indices is [total_q, k] (indices into the token's request's entries) and positions
-    [total_q]. ``check_indices=False`` skips the host's read of topk_indices (one device
-    synchronisation per call; the kernel then treats a value outside the visible entries as -1).
-    ``num_splits`` (split-KV decode, sm90, K = V at head dim 384 / 512, batched tensors): each Q
-    tile's keys cut over that many CTAs and merged exactly; None chooses (for a decode step of few
-    requests over long spans: dense decode at 64k keys, batch 1, 16x faster on the H100); the count a
-    call ran with: ``dsv4_attention.common.call_plan.last_splits()``. Returns (o like q,
-    lse [batch, heads, seqlen_q] fp32, natural log, without the sink; a row with no visible key has
-    O = 0 and LSE = -inf).
+    j < floor((t' + 1) / ratio) (its HCA layers), or only those ``topk_indices`` lists per token
+    (its CSA layers). Forward only (docs/training.md).
+
+    Args:
+        q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head dims 64-512; [total_q, heads,
+            head_dim] with ``cu_seqlens_q``.
+        k: [batch, seqlen_k, kv_heads, head_dim] (kv_heads dividing heads); [total_k, ...] with
+            ``cu_seqlens_k``.
+        v: like k; None or k itself: K = V (each KV tile loaded once).
+        compressed_kv: [batch, entries, kv_heads, head_dim] K = V entries (k's dtype);
+            [total_entries, kv_heads, head_dim] in a variable-length batch.
+        compress_ratio: entry j is visible to the query at absolute position t iff
+            j < floor((t + 1) / compress_ratio).
+        topk_indices: [batch, seqlen_q, k] int32 (-1 padded; [total_q, k] varlen): the entries each
+            token attends to, of those visible.
+        softmax_scale: default head_dim ** -0.5.
+        causal: right bound 0 (bottom-right aligned).
+        window_size: (left, right), each an int >= 0 or None (unbounded).
+        seqused_k: [batch] int32, keys per request.
+        cu_seqlens_q, cu_seqlens_k: [requests + 1] int32 offsets of a variable-length batch.
+        max_seqlen_q, max_seqlen_k: the longest request (read from the offsets when None).
+        learnable_sink: [heads] fp32 attention sink, O *= sigmoid(LSE - sink[h]).
+        pack_gqa: fold the query heads of a KV head into a tile's rows (None: by shape).
+        positions: [seqlen_q] or [batch, seqlen_q] int32 ([total_q] varlen), non-decreasing: the
+            query tokens' absolute positions instead of bottom-right alignment (a prefill chunk).
+        kv_start: the absolute position of k's row 0 (k holding only a sequence's last rows).
+        cu_seqlens_compressed: [requests + 1] int32, request b's first entry (default
+            floor(keys / ratio) entries per request).
+        out, lse_out: outputs to write (o like q, contiguous; lse as returned, fp32).
+        check_indices: read topk_indices on the host to refuse values outside [-1, entries) (one
+            device synchronisation); False: not read, the kernel treats them as -1.
+        num_splits: split-KV decode (sm90, K = V at head dim 384 / 512, batched tensors): each Q
+            tile's keys cut over that many CTAs and merged exactly; None chooses; the count a call
+            ran with: ``dsv4_attention.common.call_plan.last_splits()``.
+
+    Returns:
+        (o, lse): o like q; lse [batch, heads, seqlen_q] fp32 ([heads, total_q] varlen), natural
+        log, without the sink. A row with no visible key has O = 0 and LSE = -inf.
+
+    Raises:
+        ValueError: before any launch, for an input the kernels do not serve (dtype, device,
+            shape, strides, alignment, head dim, lengths, indices), naming the argument.
+        NotDifferentiableError: under grad mode, an input that requires grad
+            (common/autograd.py).
     """
+    refuse_grad("attention", q=q, k=k, v=v, compressed_kv=compressed_kv, learnable_sink=learnable_sink)
     key = None
     if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None and \
             positions is None:

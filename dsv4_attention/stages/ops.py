@@ -19,7 +19,8 @@ Each op has a fake (meta) implementation that gives the outputs' shapes and dtyp
 o like q (contiguous), lse [batch, heads, seqlen_q] fp32 ([heads, total_q] for a variable-length
 batch, q [total_q, heads, d]); stage A's scores [batch, heads, seqlen_q, seqlen_k] fp32. The ops
 never alias or mutate their inputs. K = V is still detected from the tensors the op receives
-(the same tensor passed as k and v).
+(the same tensor passed as k and v). No op has a backward yet: each one's autograd rule raises
+``NotDifferentiableError`` when an input requires grad under grad mode (common/autograd.py).
 """
 
 import inspect
@@ -27,11 +28,16 @@ import inspect
 import torch
 
 from dsv4_attention import stages
+from dsv4_attention.common.autograd import refuse_op_grad
 
 NAMESPACE = "dsv4_attention"
 OPS: dict = {}
 #: each stage's forward keyword parameters, read once (not per call)
 TAKES = {s.id: frozenset(inspect.signature(s.forward).parameters) for s in stages.STAGES}
+
+
+#: the op's defaults of the arguments a stage may not take (the others default to None)
+DEFAULTS = {"causal": False, "check_indices": True, "num_splits": 1}
 
 
 def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, seqused_k, pack_gqa,
@@ -54,10 +60,10 @@ def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, sequs
         given["window_size"] = (window_left, window_right)
     kwargs = {}
     for name, value in given.items():
-        default = {"causal": False, "check_indices": True, "num_splits": 1}.get(name)
+        default = DEFAULTS.get(name)
         if name in takes:
             kwargs[name] = value
-        elif value is not default and not (name == "num_splits" and value == default):
+        elif not (type(value) is type(default) and value == default):  # by type and value: 1 is not True
             raise ValueError(f"stage {stage.id} does not take {name} (got {value!r}); stages that do: "
                              f"{[s.id for s in stages.STAGES if name in TAKES[s.id]]}")
     return kwargs
@@ -95,6 +101,9 @@ def _register_attention(stage):
         b, sq, h, _ = q.shape
         return o, q.new_empty((b, h, sq), dtype=torch.float32)
 
+    refuse_op_grad(op, f"op {name}", ("q", "k", "v", "softmax_scale", "causal", "window_left", "window_right",
+                                      "seqused_k", "pack_gqa", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                      "max_seqlen_k", "learnable_sink", "compressed_kv"))
     return op
 
 
@@ -108,6 +117,7 @@ def _register_qk(stage):
         b, sq, h, _ = q.shape
         return q.new_empty((b, h, sq, k.shape[1]), dtype=torch.float32)
 
+    refuse_op_grad(op, f"op {NAMESPACE}::{stage.id}_{stage.name}", ("q", "k"))
     return op
 
 
@@ -133,4 +143,6 @@ def _(q, kv, indices, topk_length=None, attn_sink=None, softmax_scale=None, chec
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+refuse_op_grad(index_attention, f"op {NAMESPACE}::e_index_attention",
+               ("q", "kv", "indices", "topk_length", "attn_sink"))
 OPS["e_index"] = index_attention

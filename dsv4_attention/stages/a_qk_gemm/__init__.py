@@ -12,6 +12,7 @@ import torch
 
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
+from dsv4_attention.common.autograd import refuse_grad
 from dsv4_attention.common.validation import check_out, check_qk, check_scale
 
 ID = "a"
@@ -47,9 +48,17 @@ def forward(
 
     q: [batch, seqlen_q, heads, head_dim], k: [batch, seqlen_k, kv_heads, head_dim],
     bf16 or fp16, head_dim in {64, 128, 256, 512}, kv_heads dividing heads.
-    softmax_scale defaults to head_dim ** -0.5. Returns s: [batch, heads, seqlen_q, seqlen_k],
-    written into ``out`` when given (fp32, contiguous, that shape, q's device).
+    softmax_scale defaults to head_dim ** -0.5.
+
+    Returns:
+        s: [batch, heads, seqlen_q, seqlen_k] fp32, written into ``out`` when given (fp32,
+        contiguous, that shape, q's device).
+
+    Raises:
+        ValueError: before any launch, naming the argument the kernel does not serve.
+        NotDifferentiableError: under grad mode, an input that requires grad.
     """
+    refuse_grad(f"stage {ID}'s forward", q=q, k=k)
     check_qk(q, k, HEAD_DIMS)
     scale = check_scale(softmax_scale, q.shape[3])
     b, sq, h, d = q.shape

@@ -108,7 +108,7 @@ Pipelines and barriers
                    consumer warp.
     ROW_STATS      split: 256 consumer threads, between the row-max (row-sum) writes and reads;
                    seesaw: the final row sums.
-    handoffs       seesaw: three mbarriers (common/sm90_barriers.Handoff), one warpgroup's 128
+    handoffs       seesaw: three mbarriers (common/sm90_barriers.RoundHandoff), one warpgroup's 128
                    threads arrive after their SMEM writes, the other waits (parity = pair & 1):
                    the leader's max; the follower's max and P_b; the leader's rescaled P_a.
     P_READY(_WGw)  after the P stores and their async-proxy fence, before any PV reads them.
@@ -140,7 +140,7 @@ from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.persistent import grid_ctas
 from dsv4_attention.common.sm90_barriers import (
-    Handoff,
+    RoundHandoff,
     Sm90FwdBarrier,
     barrier_sync_unaligned,
     pingpong_pass,
@@ -220,7 +220,7 @@ class SharedViews:
     """The CTA's SMEM, set up once (barriers initialised): what every tile's roles use."""
     q_bar: cute.Pointer  # Q landed (phase = the CTA's tile count & 1)
     q_empty: cute.Pointer  # persistent: every consumer warp's last QK has read sQ (phase per tile)
-    handoffs: list  # seesaw: the three Handoff barriers
+    handoffs: list  # seesaw: the three RoundHandoff barriers
     ring: object  # K = V: the KvChunkRing; else K's PipelineTmaAsync
     pipeline_v: object  # K != V: V's PipelineTmaAsync
     sQ: cute.Tensor
@@ -448,7 +448,7 @@ class FlashAttentionD1Sm90:
         class SharedStorage:
             q_bar: cutlass.Int64
             q_empty: cutlass.Int64  # persistent: sQ free for the next tile's Q (the last QKs have read it)
-            # seesaw: the leader's max, the follower's max and P, the leader's P (Handoff)
+            # seesaw: the leader's max, the follower's max and P, the leader's P (RoundHandoff)
             handoffs: cute.struct.MemRange[cutlass.Int64, 3]
             k_bars: cute.struct.MemRange[cutlass.Int64, bars_a]
             v_bars: cute.struct.MemRange[cutlass.Int64, bars_b]
@@ -724,7 +724,7 @@ class FlashAttentionD1Sm90:
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         q_bar = storage.q_bar.ptr
         q_empty = storage.q_empty.ptr
-        handoffs = [Handoff(storage.handoffs.data_ptr() + i) for i in range(3)]
+        handoffs = [RoundHandoff(storage.handoffs.data_ptr() + i) for i in range(3)]
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_bar, 1)

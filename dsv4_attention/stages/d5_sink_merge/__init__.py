@@ -48,7 +48,16 @@ def forward(q, k, v, *, softmax_scale: float | None = None, learnable_sink: torc
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, pack_gqa: bool | None = None,
             out=None, lse_out=None, p_in_smem: bool | None = None):
     """Stage D4's attention with an attention sink: ``learnable_sink`` None or [heads] fp32 on
-    q's device. Returns (o, lse), lse without the sink."""
+    q's device, O *= sigmoid(LSE - sink[h]).
+
+    Returns:
+        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log (without the sink);
+        written into ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
+
+    Raises:
+        ValueError: before any launch, naming the argument the kernel does not serve.
+        NotDifferentiableError: under grad mode, an input that requires grad.
+    """
     window = check_window(causal, window_size)
     return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
                                               tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,
@@ -66,6 +75,7 @@ def apply_sink(o: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor,
         o: [batch, seqlen, heads, d] (``"bhs"``) or [total, heads, d] (``"ht"``).
         lse: the natural-log LSE of ``o``'s rows, without a sink.
         learnable_sink: [heads] logits (any float dtype); -inf: no sink, +inf: O = 0.
+
     Returns:
         O scaled by the sink, in ``o``'s dtype (LSE is unchanged: it never includes the sink)."""
     s = learnable_sink

@@ -28,6 +28,7 @@ import math
 import torch
 
 from dsv4_attention.common import interface, jit
+from dsv4_attention.common.autograd import refuse_grad
 from dsv4_attention.common.validation import check_readable, check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import visible_pairs
@@ -96,7 +97,16 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     top-k gather); sm100's top-k gather (TMA gather4 over one 2D view of the entries) further needs
     ``compressed_kv``'s batch stride to be entries x its entry stride (unless batch is 1) and its
     kv-head stride to be head_dim (unless one kv head), both checked before launch
-    (``validation.check_gather_layout``). Returns (o, lse), lse over both key sets, without the sink."""
+    (``validation.check_gather_layout``).
+
+    Returns:
+        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log over both key sets,
+        without the sink; written into ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
+
+    Raises:
+        ValueError: before any launch, naming the argument the kernel does not serve.
+        NotDifferentiableError: under grad mode, an input that requires grad.
+    """
     if v is None:
         v = k
     window = check_window(causal, window_size)
@@ -116,24 +126,34 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     """Index mode: FlashMLA's ``flash_mla_sparse_fwd`` semantics on stage E's kernel. Query token t
     attends to the rows ``indices[t, 0, :topk_length[t]]`` of ``kv`` (-1 = none), its only keys.
 
-    q [tokens, heads, d], kv [rows, 1, d] (K = V), indices [tokens, 1, k] int32, topk_length
-    [tokens] int32 (default k), attn_sink [heads] fp32 or None, ``out`` like q (optional, contiguous).
-    Layouts: q and kv are read in place in any layout the copy engines read, as FlashMLA reads them
-    (its test passes views into buffers padded in every dim): the last dim contiguous, every other
-    stride a multiple of 16 bytes (q's token and head strides, kv's row stride; kv's extent-1 middle
-    dim is never stepped, its stride is not read) and the data 16-byte aligned; anything else is
-    refused with a ValueError naming the tensor and the stride. ``indices`` may have any layout (the
-    lists are copied into the kernel's [1, tokens, k] form). Returns
-    (o [tokens, heads, d], lse [tokens, heads] fp32, natural log, without the sink; a token with no
-    valid index has O = 0 and LSE = -inf, where FlashMLA returns +inf). The query heads must fill
-    whole Q tiles: 64 or 128 (DeepSeek-V4-Flash and -Pro) on both archs (sm90's head-dim-512 tiles
-    hold 64 rows; sm100 runs 64 heads one token a 128-row tile, rows 64 .. 127 padding: computed,
-    never stored; docs/stages/e_fused.md), other counts refused. Differences from FlashMLA: its d_qk = 576 /
-    d_v = 512 split is not served (K = V rows of one head_dim here), and an index is refused unless
-    -1 or in [0, rows), as is a topk_length outside [0, k): reading them costs a device
-    synchronisation per call. ``check_indices=False`` reads neither (FlashMLA's call checks nothing):
-    the kernel then takes an index outside [0, rows) as -1, and a length past k as k.
-    ``num_splits``: as ``forward``'s (split-KV, for decode steps of few tokens)."""
+    The query heads must fill whole Q tiles: 64 or 128 (DeepSeek-V4-Flash and -Pro) on both archs
+    (sm100 runs 64 heads one token a 128-row tile, rows 64 .. 127 computed, never stored). Unlike
+    FlashMLA: its d_qk = 576 / d_v = 512 split is not served (K = V rows of one head_dim), and a
+    token with no valid index gets LSE = -inf (FlashMLA: +inf).
+
+    Args:
+        q: [tokens, heads, d] bf16/fp16; any layout the copy engines read (last dim contiguous,
+            other strides multiples of 16 bytes, data 16-byte aligned), read in place.
+        kv: [rows, 1, d] K = V rows, same layout rule (its extent-1 middle stride is never read).
+        indices: [tokens, 1, k] int32, -1 padded, any layout (copied into the kernel's form).
+        topk_length: [tokens] int32 in [0, k] (default k): each token's list length.
+        attn_sink: [heads] fp32 or None: O *= sigmoid(LSE - sink[h]).
+        softmax_scale: default d ** -0.5.
+        out: [tokens, heads, d] like q, contiguous (optional).
+        check_indices: refuse an index outside [-1, rows) or a length outside [0, k] with a
+            ValueError (a device synchronisation per call); False (FlashMLA's contract): not read,
+            the kernel takes an index outside [0, rows) as -1 and a length past k as k.
+        num_splits: as ``forward``'s (split-KV, for decode steps of few tokens).
+
+    Returns:
+        (o [tokens, heads, d] like q, lse [tokens, heads] fp32): natural log, without the sink;
+        O = 0 and LSE = -inf for a token with no valid index.
+
+    Raises:
+        ValueError: before any launch, naming the argument (rank, shape, dtype, stride, index).
+        NotDifferentiableError: under grad mode, an input that requires grad.
+    """
+    refuse_grad("index_attention", q=q, kv=kv, attn_sink=attn_sink)
     for name, t, dim in (("q", q, 3), ("kv", kv, 3), ("indices", indices, 3)):
         if not isinstance(t, torch.Tensor) or t.dim() != dim:
             raise ValueError(f"{name} must be a rank-{dim} torch.Tensor; got "

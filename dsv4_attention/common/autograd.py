@@ -1,0 +1,59 @@
+"""What the library differentiates: today nothing, and it says so.
+
+The kernels compute the forward only. A torch function that returns an output without a
+``grad_fn`` while its input requires grad would let a training loop run on silently: the loss's
+gradient never reaches q, k, v, the compressed entries or the sink. So every call that launches a
+kernel first asks :func:`refuse_grad`: under grad mode (``torch.is_grad_enabled()``), a tensor
+argument that requires grad raises :class:`NotDifferentiableError`, naming the call and the
+argument, before any validation or launch. Under ``torch.no_grad()`` / ``torch.inference_mode()``,
+or with detached inputs, the calls run as before.
+
+The torch custom ops (stages/ops.py) get the same rule through their autograd registration
+(:func:`refuse_op_grad`): torch runs an op's autograd context after its forward, so there the
+error comes after the kernel ran, still at the forward call and never as a missing gradient.
+
+The backward (issue 44) replaces these refusals call by call; docs/training.md lists what is
+differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NotDifferentiableError(RuntimeError):
+    """A call that has no backward got an input that requires grad under grad mode."""
+
+
+def _message(what: str, name: str) -> str:
+    return (f"{what} has no backward yet, but {name} requires grad under grad mode: no gradient would reach "
+            f"it. Call it under torch.no_grad() or torch.inference_mode(), or pass {name}.detach() "
+            f"(docs/training.md)")
+
+
+def refuse_grad(what: str, **tensors) -> None:
+    """Raise :class:`NotDifferentiableError` if grad mode is on and one of ``tensors`` (name: tensor
+    or None) requires grad. Costs one flag read when grad mode is off."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise NotDifferentiableError(_message(what, name))
+
+
+def refuse_op_grad(op, what: str, names: tuple) -> None:
+    """Register on the custom op ``op`` an autograd rule that refuses: its context setup (run by
+    torch only when grad mode is on and a tensor input requires grad) raises
+    :class:`NotDifferentiableError` naming the first such input of ``names`` (the op's positional
+    parameters, in order)."""
+
+    def setup_context(ctx, inputs, output):
+        for name, t in zip(names, inputs, strict=False):  # names: the leading, floating-point ones
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise NotDifferentiableError(_message(what, name))
+        raise NotDifferentiableError(_message(what, "an input"))
+
+    def backward(ctx, *grads):  # never reached: setup_context always raises
+        raise NotDifferentiableError(_message(what, "an input"))
+
+    op.register_autograd(backward, setup_context=setup_context)

@@ -1,0 +1,144 @@
+"""No silent missing gradient (common/autograd.py): every call that launches a kernel refuses,
+under grad mode, an input that requires grad, naming the call and the argument, before it
+validates or launches; without grad mode, or with the input detached, it runs as before. The
+torch-only pieces (``merge_attention``, ``apply_sink``) are differentiable by torch and their
+gradient is checked against the float64 reference's. CPU (the refusal comes before the device
+check; the ops on meta tensors); on a GPU, the refused call leaves its poisoned output untouched
+and the same call without grad mode equals the detached one bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4_attention.stages.ops as ops
+from dsv4_attention import attention, stages
+from dsv4_attention.common import reference
+from dsv4_attention.common.autograd import NotDifferentiableError
+from dsv4_attention.common.merge import merge_attention
+from dsv4_attention.common.testing import attention_inputs, gpu_arch_params, poison_
+from dsv4_attention.stages.d5_sink_merge import apply_sink
+
+ATTENTION = [s for s in stages.STAGES if s.id != "a"]
+
+
+def cpu_inputs(d=128, grad=("q",)):
+    q = torch.randn(1, 8, 4, d, dtype=torch.bfloat16)
+    k = torch.randn(1, 16, 4, d, dtype=torch.bfloat16)
+    v = torch.randn(1, 16, 4, d, dtype=torch.bfloat16)
+    named = {"q": q, "k": k, "v": v}
+    for n in grad:
+        named[n].requires_grad_(True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("stage", ATTENTION, ids=[s.id for s in ATTENTION])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_stage_forward_refuses_grad(stage, which):
+    q, k, v = cpu_inputs(grad=(which,))
+    with pytest.raises(NotDifferentiableError, match=rf"stage {stage.id}'s forward .* {which} requires grad"):
+        stage.forward(q, k, v)
+
+
+@pytest.mark.parametrize("stage", ATTENTION, ids=[s.id for s in ATTENTION])
+def test_without_grad_mode_the_call_goes_on(stage):
+    # negative control: the same inputs reach the next check (the device's) without grad mode,
+    # under no_grad, under inference_mode and detached under grad mode
+    q, k, v = cpu_inputs(grad=("q", "k", "v"))
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx(), pytest.raises(ValueError, match="cuda|CUDA|GPU"):
+            stage.forward(q, k, v)
+    with pytest.raises(ValueError, match="cuda|CUDA|GPU"):
+        stage.forward(q.detach(), k.detach(), v.detach())
+
+
+def test_qk_stage_refuses_grad():
+    q, k, _ = cpu_inputs(grad=("k",))
+    with pytest.raises(NotDifferentiableError, match="stage a's forward .* k requires grad"):
+        stages.get("a").forward(q, k)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "compressed_kv", "learnable_sink"])
+def test_attention_names_the_argument(name):
+    q, k, _ = cpu_inputs(d=512, grad=())
+    ckv = torch.randn(1, 4, 4, 512, dtype=torch.bfloat16)
+    sink = torch.zeros(4)
+    named = {"q": q, "k": k, "compressed_kv": ckv, "learnable_sink": sink}
+    named[name].requires_grad_(True)
+    with pytest.raises(NotDifferentiableError, match=rf"^attention has no backward yet, but {name} requires grad"):
+        attention(q, k, compressed_kv=ckv, compress_ratio=4, learnable_sink=sink)
+
+
+@pytest.mark.parametrize("name", ["q", "kv", "attn_sink"])
+def test_index_attention_names_the_argument(name):
+    q = torch.randn(3, 64, 512, dtype=torch.bfloat16)
+    kv = torch.randn(10, 1, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(3, 1, 4, dtype=torch.int32)
+    sink = torch.zeros(64)
+    named = {"q": q, "kv": kv, "attn_sink": sink}
+    named[name].requires_grad_(True)
+    with pytest.raises(NotDifferentiableError, match=rf"index_attention .* {name} requires grad"):
+        stages.get("e").module.index_attention(q, kv, idx, attn_sink=sink)
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("stage_id", [s.id for s in ATTENTION])
+def test_ops_refuse_grad(stage_id):
+    q, k = meta(2, 10, 8, 128), meta(2, 30, 2, 128)
+    k.requires_grad_(True)
+    with pytest.raises(NotDifferentiableError, match=r"op dsv4_attention::.* k requires grad"):
+        ops.OPS[stage_id](q, k, k)
+    with torch.no_grad():  # negative control: the op's fake forward runs
+        o, _ = ops.OPS[stage_id](q, k, k)
+    assert o.shape == q.shape
+
+
+def test_qk_and_index_ops_refuse_grad():
+    q, k = meta(2, 10, 8, 64), meta(2, 30, 8, 64)
+    q.requires_grad_(True)
+    with pytest.raises(NotDifferentiableError, match="op dsv4_attention::a_qk_gemm .* q requires grad"):
+        ops.OPS["a"](q, k)
+    q, kv, idx = meta(3, 64, 512), meta(10, 1, 512), meta(3, 1, 4, dtype=torch.int32)
+    sink = meta(64, dtype=torch.float32).requires_grad_(True)
+    with pytest.raises(NotDifferentiableError, match="e_index_attention .* attn_sink requires grad"):
+        ops.OPS["e_index"](q, kv, idx, None, sink)
+
+
+def test_torch_merge_and_sink_carry_the_gradient():
+    """merge_attention and apply_sink are torch: the gradient of the merged, sink-scaled output of
+    two disjoint key halves equals the float64 reference's over all keys."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 5, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(1, 12, 2, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(1, 12, 2, 16, dtype=torch.float64, generator=g)
+    sink = torch.tensor([0.3, -1.0], dtype=torch.float64)
+    w = torch.randn(1, 5, 2, 16, dtype=torch.float64, generator=g)
+    o1, l1 = reference.attention(q, k[:, :7], v[:, :7])
+    o2, l2 = reference.attention(q, k[:, 7:], v[:, 7:])
+    o, lse = merge_attention(o1, l1, o2, l2)
+    o = apply_sink(o, lse, sink)
+    (grad,) = torch.autograd.grad((o * w).sum(), q)
+    o_ref, _ = reference.attention(q, k, v, learnable_sink=sink)
+    (grad_ref,) = torch.autograd.grad((o_ref * w).sum(), q)
+    assert torch.allclose(o.double(), o_ref, atol=1e-5), (o.double() - o_ref).abs().max()
+    assert torch.allclose(grad, grad_ref, atol=1e-5), (grad - grad_ref).abs().max()
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_refused_call_launches_nothing(arch):
+    q, k, v, _ = attention_inputs(1, 200, 300, 8, 8, 128, torch.bfloat16)
+    o = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(1, 8, 200, dtype=torch.float32, device=q.device))
+    qg = q.clone().requires_grad_(True)
+    with pytest.raises(NotDifferentiableError):
+        attention(qg, k, v, out=o, lse_out=lse, causal=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(o).all() and torch.isnan(lse).all()  # untouched: nothing ran
+    with torch.no_grad():
+        o_ng, lse_ng = attention(qg, k, v, causal=True)
+    o_d, lse_d = attention(q, k, v, causal=True)
+    assert torch.equal(o_ng, o_d) and torch.equal(lse_ng, lse_d)
+    assert o_d.grad_fn is None and not o_d.requires_grad

@@ -1,0 +1,89 @@
+"""The PTX of kernel configurations, hashed, to show that a change left kernels unchanged.
+
+    python -m tools.ptx_compare --out new.json                 # this tree's kernels
+    (cd /tmp/old && python -m tools.ptx_compare --out old.json) # a worktree of the old commit
+    python -m tools.ptx_compare --diff old.json new.json        # which configurations differ
+
+Without a GPU: each configuration is compiled for its architecture (file cache off) and its PTX
+kept; ``.loc`` / ``.file`` lines (source positions, which move with any edit above them) are
+dropped before hashing. Equal PTX means equal SASS (the same ptxas). The configurations: the
+final kernel's DeepSeek-V4 calls on both architectures (common/warmup.py) and every stage's
+dense head-dim-128 kernel on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+
+_DEBUG = re.compile(r"^\s*\.(loc|file)\b.*$", re.M)
+
+
+def configurations() -> list:
+    import torch
+
+    from dsv4_attention import stages
+    from dsv4_attention.common import warmup
+
+    out = []
+    for arch in ("sm90", "sm100"):
+        for _, stage_id, _, dtype, head_dim, _, options in warmup.configurations(warmup.dsv4_calls(), arch):
+            out.append((arch, stage_id, str(dtype).removeprefix("torch."), head_dim, options))
+        for s in stages.STAGES:
+            if 128 in s.head_dims:
+                out.append((arch, s.id, "bfloat16", 128, {}))
+    del torch
+    return out
+
+
+def ptx_hash(config) -> tuple:
+    import torch
+
+    from dsv4_attention import stages
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import target_arch
+
+    arch, stage_id, dtype_name, head_dim, options = config
+    mod = stages.get(stage_id).module
+    dtype = getattr(torch, dtype_name)
+    args = mod.example_args(dtype, head_dim, **options)
+    with tempfile.TemporaryDirectory() as d, target_arch(arch):
+        ptx = jit.compile_ptx(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, d)
+    name = f"{arch} {stage_id} {dtype_name} hd{head_dim} {json.dumps(options, sort_keys=True)}"
+    return name, hashlib.sha256(_DEBUG.sub("", ptx).encode()).hexdigest()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out")
+    ap.add_argument("--diff", nargs=2)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args(argv)
+    if a.diff:
+        old, new = (json.load(open(p)) for p in a.diff)
+        same = [k for k in new if old.get(k) == new[k]]
+        for k in sorted(set(old) | set(new)):
+            if old.get(k) != new.get(k):
+                print(f"DIFFERS  {k}")
+        print(f"{len(same)} of {len(new)} configurations have identical PTX")
+        return 0
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
+    configs = configurations()
+    with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        hashes = dict(pool.map(ptx_hash, configs))
+    with open(a.out, "w") as f:
+        json.dump(hashes, f, indent=1, sort_keys=True)
+    print(f"{len(hashes)} configurations hashed into {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
