@@ -11,6 +11,7 @@ scale_log2 = softmax_scale * log2(e), the one numeric domain of every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -62,49 +63,67 @@ def same_memory(k: torch.Tensor, v: torch.Tensor) -> bool:
                         and k.dtype == v.dtype and k.device == v.device)
 
 
-def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out,
-                      max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None,
-                      options_for=None, extra_args=None, plan=None, plan_tensors=(), plan_key=None):
-    """``options``: the kernel's compile-time options; ``options_for(arch, q, k)``, when given,
-    adds the options that depend on the validated inputs and the architecture (e.g. D2's group);
-    ``extra_args()``, when given, returns the kernel's arguments after the stream (D3's
-    seqused_k, D4's window bounds), called after validation.
-
-    ``plan``: the caller's part of the call's signature (its options, hashable; None: the call is
-    never planned, e.g. one whose checks read tensor values), with ``plan_tensors`` the further
-    tensors the kernel may take (common/call_plan.py). A call whose signature has a plan skips
-    everything but the alignment check and the allocation of its outputs. ``plan_key``: the
-    signature, where the caller already looked it up (and found no plan)."""
-    refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v)
-    key = plan_key
-    if plan is not None and key is None:
-        key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
-        if done is not None:
-            return done
+def check_call(head_dims, q, k, v, softmax_scale, out, lse_out, max_seqlen_k: int | None = None,
+               too_long: str = "") -> tuple:
+    """The checks every attention stage's call makes, in order: q, k, v (``check_qkv``), the
+    scale, the grid's extents, the outputs given. Returns (arch, scale)."""
     check_qkv(q, k, v, head_dims, max_seqlen_k, too_long)
     scale = check_scale(softmax_scale, q.shape[3])
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ValueError(f"heads and batch must each be at most {MAX_GRID_YZ} (grid y, z); got {h}, {b}")
     if out is not None:
         check_out("out", out, tuple(q.shape), q.dtype, q.device)
     if lse_out is not None:
         check_out("lse_out", lse_out, (b, h, sq), torch.float32, q.device)
-    arch = arch_of_device(q.device)
-    if options_for is not None:
-        options = {**(options or {}), **options_for(arch, q, k)}
+    return arch_of_device(q.device), scale
+
+
+def outputs(q, out, lse_out) -> tuple:
+    """(o, lse) of a [batch, seqlen_q, heads, d] call: the ones given, else new (o contiguous)."""
+    b, sq, h, _ = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
-    if k.shape[1] == 0:  # no key at all: the empty sum, decided without a launch
-        o.zero_()
-        lse.fill_(-math.inf)
-        return o, lse
-    args = [q, k, v, o, lse, float(scale * LOG2E), jit.STREAM]
-    if extra_args is not None:
-        args += extra_args()
-    fn = jit.stage_kernel(stage_id, kernels, arch, q.dtype, d, args, options)
+    return o, lse
+
+
+def no_keys(o, lse) -> tuple:
+    """The result of a call with no key at all, decided without a launch: O = 0, LSE = -inf."""
+    o.zero_()
+    lse.fill_(-math.inf)
+    return o, lse
+
+
+def launch(stage_id: str, kernels: dict, arch: str, q, k, v, o, lse, scale: float, options: dict, tail=(),
+           plan_key=None, plan_tensors=()) -> None:
+    """Launch the stage's kernel for (arch, dtype, head dim, ``options``) on q, k, v, o, lse, the
+    scale (as scale * log2(e)) and the trailing arguments ``tail``; keep the call's plan under
+    ``plan_key`` (common/call_plan.py; ``plan_tensors``: the further tensors it may take)."""
+    args = [q, k, v, o, lse, float(scale * LOG2E), jit.STREAM, *tail]
+    fn = jit.stage_kernel(stage_id, kernels, arch, q.dtype, q.shape[3], args, options)
     fn(*jit.call_args(args))
-    call_plan.record(key, fn, args, plan_tensors)
+    call_plan.record(plan_key, fn, args, plan_tensors)
+
+
+def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out,
+                      max_seqlen_k: int | None = None, too_long: str = "", options: dict | None = None,
+                      tail=(), plan=None):
+    """The call of stages B, C and D1: check, pick the architecture from the device, handle a call
+    with no key on the host, launch. ``options``: the kernel's compile-time options; ``tail``: its
+    arguments after the stream (D1's kernel: ``no_mask_args()``). ``plan``: the caller's part of
+    the call's signature (its options, hashable; None: never planned): a call whose signature has
+    a plan skips everything but the alignment check and the allocation of its outputs."""
+    refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v)
+    key = None
+    if plan is not None:
+        key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, ())
+        if done is not None:
+            return done
+    arch, scale = check_call(head_dims, q, k, v, softmax_scale, out, lse_out, max_seqlen_k, too_long)
+    o, lse = outputs(q, out, lse_out)
+    if k.shape[1] == 0:
+        return no_keys(o, lse)
+    launch(stage_id, kernels, arch, q, k, v, o, lse, scale, dict(options or {}), tail, key)
     return o, lse
 
 
@@ -157,6 +176,22 @@ def no_mask_args():
     return mask_args()
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskedCall:
+    """A call of the masked stages (D2-E), resolved: every check done, what the kernel is compiled
+    for and called with. ``options``: the compile-time options (sorted pairs); ``tail``: the
+    kernel's MASK_ARGS; ``partials``: split-KV's fp32 partial buffers (None: one unit a Q tile),
+    merged into O and LSE with ``merge_sink`` after the launch."""
+
+    arch: str
+    scale: float
+    options: tuple
+    tail: tuple
+    splits: int = 1
+    partials: tuple | None = None
+    merge_sink: torch.Tensor | None = None
+
+
 def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_scale, out, lse_out, *,
                              tile_rows, p_in_smem=None, pack_gqa=None, seqused_k=None, window=(None, None),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -185,15 +220,18 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     fp32 partial results on the device, the sink applied there; None chooses S from the shapes
     (``split_kv.choose_splits``: 1 where the Q tiles already fill half the SMs). A split call is
     planned like an unsplit one (``call_plan.SplitPlan``: its count chosen once per signature,
-    fresh partial buffers each call; ``call_plan.last_splits`` reports the count). An option
-    that is not used is not passed to the kernel, so each stage's kernel compiles only what the
-    call needs."""
+    fresh partial buffers each call; ``call_plan.last_splits`` reports the count).
+
+    One straight line: the plan (a repeated signature replays it), the shapes of a
+    variable-length call, the common checks (``check_call``), its offsets (``resolve_varlen``),
+    the options (``resolve_masks``: one frozen :class:`MaskedCall`), the launch, the split merge."""
+    refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v, learnable_sink=learnable_sink,
+                compressed_kv=compressed_kv)
     refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v, learnable_sink=learnable_sink,
                 compressed_kv=compressed_kv)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    plan = plan_key = None
+    plan_key = None
     # a call whose checks read tensor values (lengths, lists, positions) is validated every time
-    # (a split call's partial buffers are appended once allocated: its plan's slots SPLIT_EXTRA ..)
     plan_tensors = [learnable_sink, compressed_kv, topk_indices]
     if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None:
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode,
@@ -202,36 +240,134 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         if done is not None:
             return done
     call_plan.note_splits(None)  # until this call launches (a call with no key launches nothing)
+    compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
+    if cu_seqlens_compressed is not None and not (varlen and compressed):
+        raise ValueError("cu_seqlens_compressed places the compressed entries of a variable-length batch: pass it "
+                         "with cu_seqlens_q / cu_seqlens_k and compressed_kv")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
+    varlen_offsets = None
+    if varlen:
+        # [total, heads, head_dim] tensors run as one batch of the packed rows; the kernel's grid is
+        # (tiles of the longest request) x heads x requests, each CTA offsetting into its request
+        check_varlen_shapes(q, k, v, out, lse_out, seqused_k, compressed_kv, topk_indices, positions)
+        o, lse = (torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out,
+                  torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+                  if lse_out is None else lse_out)
+        q, k, v, out, lse_out = q[None], k[None], v[None], o[None], lse[None]
+        compressed_kv = None if compressed_kv is None else compressed_kv[None]
+        topk_indices = None if topk_indices is None else topk_indices[None]
+    arch, scale = check_call(head_dims, q, k, v, softmax_scale, out, lse_out)
+    if varlen:
+        varlen_offsets = resolve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        compressed_kv, compress_ratio, topk_indices, positions,
+                                        cu_seqlens_compressed, check_indices)
+    call = resolve_masks(arch, scale, q, k, v, tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,
+                         seqused_k=seqused_k, window=window, learnable_sink=learnable_sink,
+                         compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
+                         kv_start=kv_start, index_mode=index_mode, positions=positions,
+                         check_indices=check_indices, num_splits=num_splits, varlen=varlen_offsets)
+    o4, lse4 = outputs(q, out, lse_out)
+    result = (o, lse) if varlen else (o4, lse4)
+    if k.shape[1] == 0:
+        no_keys(o4, lse4)
+        return result
+    if call.partials is not None:  # slots of the plan, allocated afresh by each planned call
+        plan_tensors.extend(call.partials)
+    launch(stage_id, kernels, arch, q, k, v, o4, lse4, scale, dict(call.options), call.tail,
+           None if varlen else plan_key, plan_tensors)
+    if call.partials is not None:
+        call_plan.record_split(plan_key, call.splits)  # the kernel's plan (if any) becomes the split call's
+        from dsv4_attention.common import split_kv
+
+        split_kv.combine(*call.partials, o4, lse4, call.merge_sink)
+    return result
+
+
+def check_varlen_shapes(q, k, v, out, lse_out, seqused_k, compressed_kv, topk_indices, positions) -> None:
+    """A variable-length call's ranks and output shapes (D3 and E's packed operands), first."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"with cu_seqlens, {name} must be [total_tokens, heads, head_dim]; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if seqused_k is not None:
+        raise ValueError("seqused_k with cu_seqlens_k is not supported: give each request's keys by cu_seqlens_k")
+    packed = (("compressed_kv", compressed_kv, 3, "[total_entries, kv_heads, head_dim]"),
+              ("topk_indices", topk_indices, 2, "[total_q, k]"), ("positions", positions, 1, "[total_q]"))
+    for name, t, dim, shape in packed:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != dim):
+            raise ValueError(f"with cu_seqlens, {name} must be {shape}; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if out is not None:
+        check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    if lse_out is not None:
+        check_out("lse_out", lse_out, (q.shape[1], q.shape[0]), torch.float32, q.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenOffsets:
+    """A variable-length call's checked offsets: the longest request's tokens, each request's first
+    token (where positions may drop), each request's first compressed entry, and each token's
+    request's entry count (top-k value checks)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    request_starts: torch.Tensor | None = None
+    cu_compressed: torch.Tensor | None = None
+    entry_limits: torch.Tensor | None = None
+
+
+def resolve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, compressed_kv,
+                   compress_ratio, topk_indices, positions, cu_seqlens_compressed, check_indices) -> VarlenOffsets:
+    """Check a variable-length call's offsets (q, k, v as one batch [1, total, heads, d]) and derive
+    what the kernel and the later checks need from them."""
+    from dsv4_attention.common.validation import (
+        check_compressed,
+        check_cu_seqlens,
+        varlen_compressed_offsets,
+        varlen_entry_limits,
+        varlen_request_starts,
+    )
+
+    max_q, _ = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[1], k.shape[1], q.device, max_seqlen_q,
+                                max_seqlen_k)
+    requests = cu_seqlens_q.shape[0] - 1
+    if requests > MAX_GRID_YZ:
+        raise ValueError(f"at most {MAX_GRID_YZ} requests (grid z); got {requests}")
+    starts = cu_compressed = limits = None
+    compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
+    if positions is not None or (compressed and compressed_kv is not None):
+        starts = varlen_request_starts(cu_seqlens_q)
+    if compressed and compressed_kv is not None:
+        check_compressed(compressed_kv, compress_ratio, k, k if same_memory(k, v) else v)
+        cu_compressed = varlen_compressed_offsets(cu_seqlens_compressed, cu_seqlens_k, compress_ratio,
+                                                  compressed_kv.shape[1], q.device)
+        if topk_indices is not None and check_indices:  # the value check is its only reader
+            limits = varlen_entry_limits(cu_compressed, cu_seqlens_q, q.shape[1])
+    return VarlenOffsets(cu_seqlens_q, cu_seqlens_k, max_q, starts, cu_compressed, limits)
+
+
+def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, seqused_k, window, learnable_sink,
+                  compressed_kv, compress_ratio, topk_indices, kv_start, index_mode, positions, check_indices,
+                  num_splits, varlen: VarlenOffsets | None) -> MaskedCall:
+    """Check the masked stages' options against the (batched) inputs and the architecture, in
+    order (kv_start, seqused_k, the sink, the packed group, positions, the compressed entries and
+    their lists, the split count), and resolve the call: the kernel's compile-time options and
+    its trailing arguments. An option that is not used is not passed to the kernel, so each
+    stage's kernel compiles only what the call needs."""
     from dsv4_attention.common import split_kv
     from dsv4_attention.common.pack_heads import pack_group
     from dsv4_attention.common.validation import (
         check_compressed,
-        check_cu_seqlens,
         check_gather_layout,
         check_kv_start,
         check_positions,
         check_seqused_k,
         check_sink,
         check_topk,
-        varlen_compressed_offsets,
-        varlen_entry_limits,
-        varlen_request_starts,
     )
 
-    splits = [1]  # the call's split count, decided with the architecture (``prepare``)
-    parts = [None]  # split-KV: the partial buffers the launch wrote (None: no split launch ran)
-    compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
-    if cu_seqlens_compressed is not None and not (varlen and compressed):
-        raise ValueError("cu_seqlens_compressed places the compressed entries of a variable-length batch: pass it "
-                         "with cu_seqlens_q / cu_seqlens_k and compressed_kv")
-    entries = [None, None, None]  # (compressed_kv, compress_ratio, topk_indices) as the kernel gets them
-    position_rows = [None]  # positions as the kernel gets them: (1 or batch, seqlen_q)
-    request_starts = [None]  # varlen: each request's first token (positions may drop there)
-    entry_limits = [None]  # varlen top-k: each token's request's entry count ([total_q] int32)
-    cu_compressed = [None]  # varlen: each request's first compressed entry ([requests + 1] int32)
-
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise ValueError(f"pack_gqa must be True, False or None; got {pack_gqa!r}")
     left, right = window
     kv_shared = same_memory(k, v)
     options = {"kv_shared": kv_shared}
@@ -243,135 +379,74 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
         options["has_left"] = True
     if right is not None:
         options["has_right"] = True
-
-    def prepare(arch, q, k, compressed_checked=False):
-        check_kv_start(kv_start, k.shape[1])
-        if kv_start and varlen:
-            raise ValueError("kv_start with cu_seqlens is not supported: pass batched tensors")
-        if seqused_k is not None:
-            check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
-        if learnable_sink is not None:
-            check_sink(learnable_sink, q.shape[2], q.device)
-        m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
-        chosen = {"pack_group": pack_group(pack_gqa, q.shape[2], k.shape[2], m)}
-        if positions is not None:
-            position_rows[0] = check_positions(positions, q.shape[0], q.shape[1], q.device,
-                                               request_starts=request_starts[0])
-            chosen["has_positions"] = True
-        if compressed:
-            if topk_indices is not None and compressed_kv is None:
-                raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
-            if not compressed_checked:  # varlen checks them first: its entry offsets need the ratio
-                check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
-            if topk_indices is not None:
-                check_topk(topk_indices, q, compressed_kv.shape[1], chosen["pack_group"], m, arch,
-                           entry_limits=entry_limits[0], check_values=check_indices)
-            if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
-                entries[:] = compressed_kv, compress_ratio, topk_indices  # else: the window alone
-                chosen["has_compressed"] = True
-                if topk_indices is not None:
-                    # any layout check_compressed took, but sm100's gather4 reads one 2D view of the rows
-                    check_gather_layout(compressed_kv, arch)
-                    chosen["has_topk"] = True
-                    if index_mode:  # the lists are every key (FlashMLA's sparse attention)
-                        chosen["index_mode"] = True
-        splits[0] = split_count(arch, q, k, chosen["pack_group"])
-        if splits[0] > 1:
-            chosen["split_kv"] = True  # the sink goes to the merge, not the kernel
-        elif learnable_sink is not None:
-            chosen["has_sink"] = True
-        return chosen
-
-    def split_count(arch, q, k, group):
-        from dsv4_attention.common.persistent import device_sms
-        from dsv4_attention.common.tiles import uses_seesaw
-
-        seesaw = uses_seesaw(arch, q.shape[3], kv_shared)
-        if num_splits is not None:
-            return split_kv.check_num_splits(num_splits, seesaw, varlen, arch)
-        if not seesaw or varlen or arch != "sm90":
-            return 1
-        keys = k.shape[1] if left is None else min(k.shape[1], left + q.shape[1] + (right or 0))
-        if entries[0] is not None:
-            keys += entries[2].shape[2] if entries[2] is not None else entries[0].shape[1]
-        return split_kv.auto_splits(q.shape[0], q.shape[1], group, k.shape[2], keys, device_sms())
-
-    def kernel_sink():
-        return learnable_sink if splits[0] == 1 else None
-
-    def partials(q):
-        if splits[0] == 1:
-            return None
-        o_shape, lse_shape = tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1])
-        parts[0] = split_kv.partial_buffers(splits[0], o_shape, lse_shape, q.device)
-        plan_tensors.extend(parts[0])  # slots of the plan, allocated afresh by each planned call
-        return (*parts[0], splits[0])
-
-    def merged(o, lse):
-        if parts[0] is not None:
-            split_kv.combine(*parts[0], o, lse, learnable_sink)
-        return o, lse
-
-    if not varlen:
-        result = attention_forward(stage_id, kernels, head_dims, q, k, v, softmax_scale, out, lse_out,
-                                   options=options, options_for=prepare, plan=plan, plan_key=plan_key,
-                                   plan_tensors=plan_tensors,
-                                   extra_args=lambda: mask_args(seqused_k, left, right, learnable_sink=kernel_sink(),
-                                                                compressed_kv=entries[0], compress_ratio=entries[1],
-                                                                topk_indices=entries[2], kv_start=kv_start,
-                                                                positions=position_rows[0], partials=partials(q)))
-        if parts[0] is not None:  # the kernel's plan (if any) becomes the split call's
-            call_plan.record_split(plan_key, splits[0])
-        return merged(*result)
-    # varlen: [total, heads, head_dim] tensors as one batch of the packed rows; the kernel's grid
-    # runs (tiles of the longest request) x heads x requests, each CTA offsetting into its request
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"with cu_seqlens, {name} must be [total_tokens, heads, head_dim]; got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    check_kv_start(kv_start, k.shape[1])
+    if kv_start and varlen is not None:
+        raise ValueError("kv_start with cu_seqlens is not supported: pass batched tensors")
     if seqused_k is not None:
-        raise ValueError("seqused_k with cu_seqlens_k is not supported: give each request's keys by cu_seqlens_k")
-    requests = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else 0
-    # stage E's operands, packed like q and k: one batch of every request's rows in the kernel
-    packed = (("compressed_kv", compressed_kv, 3, "[total_entries, kv_heads, head_dim]"),
-              ("topk_indices", topk_indices, 2, "[total_q, k]"), ("positions", positions, 1, "[total_q]"))
-    for name, t, dim, shape in packed:
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != dim):
-            raise ValueError(f"with cu_seqlens, {name} must be {shape}; got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if compressed_kv is not None:
-        compressed_kv = compressed_kv.unsqueeze(0)
-    if topk_indices is not None:
-        topk_indices = topk_indices.unsqueeze(0)
-    if out is not None:
-        check_out("out", out, tuple(q.shape), q.dtype, q.device)
-    if lse_out is not None:
-        check_out("lse_out", lse_out, (q.shape[1], q.shape[0]), torch.float32, q.device)
-    max_q = [0]
+        check_seqused_k(seqused_k, q.shape[0], k.shape[1], q.device)
+    if learnable_sink is not None:
+        check_sink(learnable_sink, q.shape[2], q.device)
+    m = tile_rows(arch, q.shape[3], kv_shared, None if p_in_smem is None else bool(p_in_smem))
+    options["pack_group"] = group = pack_group(pack_gqa, q.shape[2], k.shape[2], m)
+    position_rows = None  # positions as the kernel gets them: (1 or batch, seqlen_q)
+    if positions is not None:
+        position_rows = check_positions(positions, q.shape[0], q.shape[1], q.device,
+                                        request_starts=None if varlen is None else varlen.request_starts)
+        options["has_positions"] = True
+    entries = (None, None, None)  # (compressed_kv, compress_ratio, topk_indices) as the kernel gets them
+    if compressed_kv is not None or compress_ratio is not None or topk_indices is not None:
+        if topk_indices is not None and compressed_kv is None:
+            raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
+        if varlen is None:  # varlen checked them first: its entry offsets need the ratio
+            check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
+        if topk_indices is not None:
+            check_topk(topk_indices, q, compressed_kv.shape[1], group, m, arch,
+                       entry_limits=None if varlen is None else varlen.entry_limits, check_values=check_indices)
+        if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
+            entries = (compressed_kv, compress_ratio, topk_indices)  # else: the window alone
+            options["has_compressed"] = True
+            if topk_indices is not None:
+                # any layout check_compressed took, but sm100's gather4 reads one 2D view of the rows
+                check_gather_layout(compressed_kv, arch)
+                options["has_topk"] = True
+                if index_mode:  # the lists are every key (FlashMLA's sparse attention)
+                    options["index_mode"] = True
+    splits = split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen is not None)
+    partials = None
+    if splits > 1:
+        options["split_kv"] = True  # the sink goes to the merge, not the kernel
+        partials = split_kv.partial_buffers(splits, tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1]),
+                                            q.device)
+    elif learnable_sink is not None:
+        options["has_sink"] = True
+    if varlen is None:
+        tail = mask_args(seqused_k, left, right, learnable_sink=learnable_sink if splits == 1 else None,
+                         compressed_kv=entries[0], compress_ratio=entries[1], topk_indices=entries[2],
+                         kv_start=kv_start, positions=position_rows,
+                         partials=None if partials is None else (*partials, splits))
+    else:
+        options["varlen"] = True
+        tail = mask_args(None, left, right, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q,
+                         learnable_sink, entries[0], entries[1], entries[2], positions=position_rows,
+                         cu_seqlens_compressed=None if entries[0] is None else varlen.cu_compressed)
+    return MaskedCall(arch, scale, tuple(sorted(options.items())), tuple(tail), splits, partials,
+                      learnable_sink if splits > 1 else None)
 
-    def prepare_varlen(arch, q4, k4):
-        max_q[0], _ = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device,
-                                       max_seqlen_q, max_seqlen_k)
-        if requests > MAX_GRID_YZ:
-            raise ValueError(f"at most {MAX_GRID_YZ} requests (grid z); got {requests}")
-        if positions is not None or (compressed and compressed_kv is not None):
-            starts = varlen_request_starts(cu_seqlens_q)
-            request_starts[0] = starts
-        if compressed and compressed_kv is not None:
-            check_compressed(compressed_kv, compress_ratio, k4, k4 if kv_shared else v)
-            cu_compressed[0] = varlen_compressed_offsets(cu_seqlens_compressed, cu_seqlens_k, compress_ratio,
-                                                        compressed_kv.shape[1], q.device)
-            if topk_indices is not None and check_indices:  # the value check is its only reader
-                entry_limits[0] = varlen_entry_limits(cu_compressed[0], cu_seqlens_q, q.shape[0])
-        return {**prepare(arch, q4, k4, compressed_checked=True), "varlen": True}
 
-    o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if lse_out is None else lse_out
-    attention_forward(stage_id, kernels, head_dims, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale,
-                      o.unsqueeze(0), lse.unsqueeze(0), options=options, options_for=prepare_varlen,
-                      extra_args=lambda: mask_args(None, left, right, cu_seqlens_q, cu_seqlens_k, max_q[0],
-                                                   learnable_sink, entries[0], entries[1], entries[2],
-                                                   positions=position_rows[0],
-                                                   cu_seqlens_compressed=None if entries[0] is None
-                                                   else cu_compressed[0]))
-    return o, lse
+def split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen: bool) -> int:
+    """The call's split-KV count (common/split_kv.py): ``num_splits`` checked, or for None the
+    library's choice from the keys a row sees at most (its window and compressed keys)."""
+    from dsv4_attention.common import split_kv
+    from dsv4_attention.common.persistent import device_sms
+    from dsv4_attention.common.tiles import uses_seesaw
+
+    seesaw = uses_seesaw(arch, q.shape[3], kv_shared)
+    if num_splits is not None:
+        return split_kv.check_num_splits(num_splits, seesaw, varlen, arch)
+    if not seesaw or varlen or arch != "sm90":
+        return 1
+    left, right = window
+    keys = k.shape[1] if left is None else min(k.shape[1], left + q.shape[1] + (right or 0))
+    if entries[0] is not None:
+        keys += entries[2].shape[2] if entries[2] is not None else entries[0].shape[1]
+    return split_kv.auto_splits(q.shape[0], q.shape[1], group, k.shape[2], keys, device_sms())

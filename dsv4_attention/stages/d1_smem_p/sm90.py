@@ -234,6 +234,58 @@ class SharedViews:
 
 
 @dataclasses.dataclass
+class Lengths:
+    """D3's per-request key counts and variable-length offsets (None where unused)."""
+    seqused_k: cute.Tensor | None
+    cu_seqlens_q: cute.Tensor | None
+    cu_seqlens_k: cute.Tensor | None
+
+
+@dataclasses.dataclass
+class Window:
+    """D4's window bounds (None where unbounded: compiled out)."""
+    left: cutlass.Int32 | None
+    right: cutlass.Int32 | None
+
+
+@dataclasses.dataclass
+class Entries:
+    """E's compressed entries: their TMA view and memory, the ratio, the top-k lists, the absolute
+    position of raw key 0, the query positions, the varlen entry offsets (None where unused)."""
+    mC: cute.Tensor
+    mC_mem: cute.Tensor
+    ratio: cutlass.Int32 | None
+    mTopk: cute.Tensor | None
+    kv_start: cutlass.Int32 | None
+    mPositions: cute.Tensor | None
+    mCuSeqlensC: cute.Tensor | None
+
+
+@dataclasses.dataclass
+class SplitParts:
+    """Split-KV's partial outputs and split count (common/split_kv.py; None where unsplit)."""
+    mO: cute.Tensor | None
+    mLSE: cute.Tensor | None
+    num_splits: cutlass.Int32 | None
+
+
+@dataclasses.dataclass
+class GlobalTensors:
+    """The kernel's global operands by seam: Q, K, V, O (its TMA view and memory), LSE, then the
+    bundles of the stages that use them."""
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mO: cute.Tensor
+    mO_mem: cute.Tensor
+    mLSE: cute.Tensor
+    lengths: Lengths
+    window: Window
+    entries: Entries
+    split: SplitParts
+
+
+@dataclasses.dataclass
 class TileRequest:
     """The request a tile's (head, batch entry) belongs to: views to index with batch coordinate
     ``b``, its packed row count, key count and compressed entries (the D3 and E seams)."""
@@ -590,9 +642,10 @@ class FlashAttentionD1Sm90:
         num_splits: cutlass.Int32 | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tensors = (mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mC,
-                   compress_ratio, mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC, mOPartial, mLSEPartial,
-                   num_splits)
+        tensors = GlobalTensors(mQ, mK, mV, mO, mO_mem, mLSE, Lengths(mSeqUsedK, mCuSeqlensQ, mCuSeqlensK),
+                                Window(window_left, window_right),
+                                Entries(mC, mC_mem, compress_ratio, mTopk, kv_start, mPositions, mCuSeqlensC),
+                                SplitParts(mOPartial, mLSEPartial, num_splits))
         atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c)
         layouts = (sQ_layout, sKV_layout, sVt_layout, sP_layout)
         mmas = (qk_mma, pv_mma, pv_own_mma)
@@ -648,7 +701,7 @@ class FlashAttentionD1Sm90:
         """One role of the persistent seesaw over the CTA's tiles: ``role`` (constant) is PRODUCER
         (the load warps) or consumer warpgroup 0 / 1. The counters: ``t0`` the ring uses before the
         tile, ``it`` the tiles before it, ``r0`` (consumers) the handoff rounds before it."""
-        heads = tensors[0].shape[2]
+        heads = tensors.mQ.shape[2]
         t0 = cutlass.Int32(0)
         r0 = cutlass.Int32(0)
         it = cutlass.Int32(0)
@@ -676,7 +729,7 @@ class FlashAttentionD1Sm90:
         """The launch's unit ``tile_idx`` as every role of the persistent loop sees it: (m_block,
         head, its request, whether it has rows: a tile past its request's rows has no work, varlen;
         its split, split-KV, else None)."""
-        m_block, head, batch, split = self.tile_coords(tile_idx, m_tiles, heads, tensors[20])
+        m_block, head, batch, split = self.tile_coords(tile_idx, m_tiles, heads, tensors.split.num_splits)
         req = self.tile_request(head, batch, tensors)
         has_rows = cutlass.Boolean(True)
         if cutlass.const_expr(self.varlen):  # the launch spans the longest request
@@ -774,13 +827,13 @@ class FlashAttentionD1Sm90:
     @cute.jit
     def tile_request(self, head, batch, tensors) -> "TileRequest":
         """The request of a tile's (head, batch entry): its views and lengths (the D3 and E seams)."""
-        (mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, _wl, _wr, mCuSeqlensQ, mCuSeqlensK, mC, _ratio, mTopk, mC_mem,
-         _kv_start, mPositions, mCuSeqlensC) = tensors[:18]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        g, lengths, e = tensors, tensors.lengths, tensors.entries
+        head_kv = head // (g.mQ.shape[2] // g.mK.shape[2])
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
-            batch, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
+            batch, g.mQ, g.mK, g.mV, g.mO, g.mO_mem, g.mLSE, lengths.seqused_k, lengths.cu_seqlens_q,
+            lengths.cu_seqlens_k)
         mC, mC_mem, n_compressed, topk_b, positions_b = self.request_entries(
-            batch, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
+            batch, b, e.mC, e.mC_mem, e.mTopk, e.mPositions, lengths.cu_seqlens_q, e.mCuSeqlensC)
         return TileRequest(mQ=mQ, mK=mK, mV=mV, mO=mO, mO_mem=mO_mem, mLSE=mLSE, b=b, n_rows=n_rows,
                            seqlen_k=seqlen_k, head_kv=head_kv, mC=mC, mC_mem=mC_mem, n_compressed=n_compressed,
                            topk=topk_b, positions=positions_b)
@@ -792,14 +845,14 @@ class FlashAttentionD1Sm90:
         staged lists follow the ring's slots) and the global views its loads and stores cut.
         split-KV: the span's visits are split ``split``'s (common/split_kv.py), its O and LSE go to
         the partial buffers at batch index split B + b."""
-        window_left, window_right, compress_ratio, kv_start = tensors[7], tensors[8], tensors[12], tensors[15]
+        window, entries = tensors.window, tensors.entries
         d, b, head_kv = self.head_dim, req.b, req.head_kv
-        span = self.kv_span(m_block, req.n_rows, req.seqlen_k, window_left, window_right, compress_ratio,
-                            req.n_compressed, req.topk, kv_start, req.positions)
+        span = self.kv_span(m_block, req.n_rows, req.seqlen_k, window.left, window.right, entries.ratio,
+                            req.n_compressed, req.topk, entries.kv_start, req.positions)
         n_blocks = span.n_tiles
         o_part = None
         if cutlass.const_expr(self.split_kv):
-            mOp, mLSEp, num_splits = tensors[18], tensors[19], tensors[20]
+            mOp, mLSEp, num_splits = tensors.split.mO, tensors.split.mLSE, tensors.split.num_splits
             span.n_end, n_blocks = split_visits(span.n_tiles, split, num_splits)
             pb = split * (mOp.shape[3] // num_splits) + b
             o_part = (cute.local_tile(mOp[None, None, head, pb], (self.tile_m, d), (None, 0)), mLSEp, pb)
