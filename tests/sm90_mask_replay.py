@@ -73,7 +73,7 @@ def consumer_s_coords(kernel, qk_mma: cute.TiledMma, tidx):
     and the (row, key) tile coordinates of its S values, from the kernel's QK partition as its
     consumer loop takes it (the split layouts slice the MMA per warpgroup). Called while tracing."""
     wg = tidx // THREADS_PER_WARPGROUP
-    thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.split else tidx)
+    thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if kernel.col_split else tidx)
     return wg, kernel.s_coords(wg, thr)
 
 

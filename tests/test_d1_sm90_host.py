@@ -79,7 +79,7 @@ def writes(head_dim: int, wrong: str | None = None, kv_shared: bool = True) -> d
             wg = tidx // THREADS_PER_WARPGROUP
             if wrong == "no_key_offset":
                 wg = 0
-            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if k.split else tidx)
+            thr = qk_mma.get_slice(tidx % THREADS_PER_WARPGROUP if k.col_split else tidx)
             part = k.p_store_view(coords, wg, thr)
             vals = []
             # the seesaw: warpgroup w stores its whole S tile's P into its own buffer
@@ -200,7 +200,7 @@ def test_smem_budget_and_ring(head_dim, kv_shared):
     assert k.slots >= (2 if kv_shared else 1)
     ring = k.slots * k.tile_n * head_dim * 2 * (1 if kv_shared else 2)
     assert k.smem_bytes_fixed() + ring <= SMEM_LIMIT
-    assert k.split == (head_dim >= 320) and k.p_in_smem == k.split
+    assert k.col_split == (head_dim >= 320) and k.p_in_smem == k.col_split
 
 
 def test_split_rejects_p_in_registers():

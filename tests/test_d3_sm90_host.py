@@ -200,7 +200,7 @@ def mask_runner(name: str, wrong: str | None = None):
 
     head_dim, options, layout = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, seqused_k=True, **options)
-    assert (kernel.split, kernel.seesaw) == layout, f"{name} is not the layout it is named for"
+    assert (kernel.col_split, kernel.seesaw) == layout, f"{name} is not the layout it is named for"
     replay = mask_replayer(kernel)
 
     @cute.jit

@@ -93,7 +93,7 @@ def runner(name: str, has_left: bool, has_right: bool, wrong: str | None = None)
     head_dim, options = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, has_left=has_left,
                                  has_right=has_right, **options)
-    assert (kernel.split, kernel.seesaw) == LAYOUT[name], f"{name} is not the layout it is named for"
+    assert (kernel.col_split, kernel.seesaw) == LAYOUT[name], f"{name} is not the layout it is named for"
     replay = mask_replayer(kernel)
 
     @cute.jit

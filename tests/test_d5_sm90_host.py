@@ -83,7 +83,7 @@ def runner(name: str, wrong: str | None = None):
 
     head_dim, options, layout = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, has_sink=True, **options)
-    assert (kernel.split, kernel.seesaw) == layout, f"{name} is not the layout it is named for"
+    assert (kernel.col_split, kernel.seesaw) == layout, f"{name} is not the layout it is named for"
 
     @cute.jit
     def host(out: cute.Tensor, rows_out: cute.Tensor, sink: cute.Tensor, inv_in: cute.Tensor, lse_in: cute.Tensor,

@@ -8,7 +8,7 @@ Without a GPU: each configuration is compiled for its architecture (file cache o
 kept; ``.loc`` / ``.file`` lines (source positions, which move with any edit above them) are
 dropped before hashing. Equal PTX means equal SASS (the same ptxas). The configurations: the
 final kernel's DeepSeek-V4 calls on both architectures (common/warmup.py) and every stage's
-dense head-dim-128 kernel on both.
+dense head-dim-128 kernel on both; ``--wide`` adds the sm90 compile-budget tests' configurations.
 """
 
 from __future__ import annotations
@@ -24,9 +24,32 @@ import tempfile
 _DEBUG = re.compile(r"^\s*\.(loc|file)\b.*$", re.M)
 
 
-def configurations() -> list:
-    import torch
+def _sm90_budget_cases() -> list:
+    """The sm90 compile-budget tests' configurations (tests/test_{d1,d34,d5,e}_cpu.py: every head
+    dim, K = V and not, P in SMEM, windows, lengths, varlen, sink, entries, top-k, positions)."""
+    import importlib.util
+    import pathlib
 
+    tests = pathlib.Path(__file__).resolve().parents[1] / "tests"
+    out = []
+    for name, stage_id in (("test_d1_cpu", "d1"), ("test_d34_cpu", None), ("test_d5_cpu", "d5"), ("test_e_cpu", "e")):
+        spec = importlib.util.spec_from_file_location(f"_ptx_{name}", tests / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        for case in mod.CASES:
+            if stage_id == "d1":
+                dtype, head_dim, options = case
+                out.append(("sm90", "d1", dtype, head_dim, options))
+            elif stage_id is None:
+                sid, head_dim, options = case
+                out.append(("sm90", sid, "bfloat16", head_dim, options))
+            else:
+                head_dim, options = case
+                out.append(("sm90", stage_id, "bfloat16", head_dim, options))
+    return out
+
+
+def configurations(wide: bool = False) -> list:
     from dsv4_attention import stages
     from dsv4_attention.common import warmup
 
@@ -37,7 +60,8 @@ def configurations() -> list:
         for s in stages.STAGES:
             if 128 in s.head_dims:
                 out.append((arch, s.id, "bfloat16", 128, {}))
-    del torch
+    if wide:
+        out += _sm90_budget_cases()
     return out
 
 
@@ -63,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--diff", nargs=2)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--wide", action="store_true", help="also the sm90 compile-budget tests' configurations")
     a = ap.parse_args(argv)
     if a.diff:
         old, new = (json.load(open(p)) for p in a.diff)
@@ -76,7 +101,7 @@ def main(argv=None) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
-    configs = configurations()
+    configs = configurations(a.wide)
     with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         hashes = dict(pool.map(ptx_hash, configs))
     with open(a.out, "w") as f:

@@ -18,10 +18,8 @@ Three layouts of the consumer warpgroups (W = 2, or 3 at head dim 64)
     64 x width x 16, width <= 256. Each P tile is every warpgroup's A operand.
     seesaw  (K = V): warpgroup w computes the whole S = Q K^T of every other KV tile (visits
             2k + w), 64 x 64 per wgmma, so Q is read from SMEM once per tile instead of twice
-            (64 x 32 wgmmas read Q for half the keys each; SMEM bandwidth bounded that kernel
-            near 64 % of the matmul rate). FlashMLA's schedule, in its own words in
-            docs/20250422-new-kernel-deep-dive.md; ours is written out at ``seesaw_lead`` and
-            ``seesaw_follow``. Warpgroup 0 (the leader) takes tile a of a pair, 1 (the
+            (64 x 32 wgmmas read Q for half the keys each: SMEM-bandwidth bound). FlashMLA's
+            schedule; ours is written out at ``seesaw_lead`` and ``seesaw_follow``. Warpgroup 0 (the leader) takes tile a of a pair, 1 (the
             follower) tile b; the leader's new row max goes to the follower, which takes the
             larger of it and its own; the leader rescales its P_a to the follower's max before
             handing it over. Each adds its own P from registers (RS wgmma) and the other's from
@@ -81,10 +79,9 @@ K = V (kv_shared): one ring of KV slots, each tile loaded once; QK reads a slot 
     warpgroup's S the slot holds): the leader's PV frees the first half of tile a while the
     follower's PV still reads the second, so the next tile's first chunks land early.
     In either ring a tile lands in 64-column chunks, each with its own full barrier, and QK's
-    k-steps over chunk c wait for chunk c only (common/sm90_kv_chunks.py; on the H200 this took
-    the lock-step kernel at head dim 512 from 415-441 to 511-523 TFLOP/s, when the next tile
-    could load only after PV(n+1) freed its whole slot). With K != V, K and V have rings of their
-    own (stage C's pipelines).
+    k-steps over chunk c wait for chunk c only (common/sm90_kv_chunks.py), so the next tile lands
+    chunk by chunk as PV frees its slot. With K != V, K and V have rings of their own (stage C's
+    pipelines).
 
 Persistent grid (the seesaw, ``run_tiles``; common/persistent.py): one CTA per SM, each running
     Q tiles c, c + grid, ... with the ring uses, handoff rounds and Q phases counted on across
@@ -93,10 +90,8 @@ Persistent grid (the seesaw, ``run_tiles``; common/persistent.py): one CTA per S
     on q_empty), so the producer loads the next tile's Q first, under this tile's last PVs and
     its epilogue, then the next tile's first KV pair as the PVs free the slots. O does not go
     through sQ: each warpgroup stores its 256 columns through its own 8 KiB P buffer, one 64 x 64
-    TMA box at a time (``store_o_chunks``). The A/Bs (docs/results/experiments/): the grid itself
-    (ab_persistent_h100.json, ab_persistent_h200.json) made the fused HCA layer 4-6 % faster, CSA
-    2-3 %, the dense seesaw and index mode level; Q under the epilogue (ab_q_epilogue_h100.json)
-    the HCA layer 8-17 % faster again.
+    TMA box at a time (``store_o_chunks``). What the grid and Q under the epilogue measured:
+    docs/stages/d1_smem_p.md.
 
 Pipelines and barriers
     q_bar          TMA -> consumers: Q landed (one phase per tile).
@@ -121,31 +116,32 @@ Default tiles (tile_m x tile_n; SMEM = Q + ring + sP, limit 227 KiB)
     320 .. 512: 64 x 64 (seesaw, split); ring slots of 64 x head_dim: K = V 4 / 2 / 2 / 2 slots
     at 320 / 384 / 448 / 512 (even), K and V 2 + 2 / 1 + 1 / 1 + 1 / 1 + 1.
     p_in_smem (rows) takes tile_n = 128 at head dims <= 128, 64 above (whole swizzled rows).
+
+This file holds the kernel (options, shared storage, ``__call__``, ``kernel``, the producer, the
+epilogue); the schedules live beside it, ``sm90_rows.py`` (rows and split) and ``sm90_seesaw.py``
+(the persistent seesaw), the named operand bundles in ``sm90_operands.py``, and the tile order in
+``common/tile_scheduler.py``.
 """
 
-import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from dsv4_attention.common.compile import SMEM_LIMIT
 from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import check_attention_operands, seq_major
-from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
+from dsv4_attention.common.p_staging import convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.persistent import grid_ctas
 from dsv4_attention.common.sm90_barriers import (
     RoundHandoff,
     Sm90FwdBarrier,
     barrier_sync_unaligned,
-    pingpong_pass,
-    pingpong_start,
-    pingpong_wait,
 )
 from dsv4_attention.common.sm90_epilogue import store_lse, store_o_rows
 from dsv4_attention.common.sm90_epilogue import store_o as epilogue_store_o
@@ -166,165 +162,27 @@ from dsv4_attention.common.sm90_gemm import (
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, KvChunkRing, chunk_views
 from dsv4_attention.common.sm90_producer import load_q, load_q_k_v
 from dsv4_attention.common.smem_p import make_p_smem_layout, store_p
-from dsv4_attention.common.softmax import OnlineSoftmax, acc_rows_view, scale_rows
+from dsv4_attention.common.softmax import OnlineSoftmax, scale_rows
 from dsv4_attention.common.split_kv import split_visits
+from dsv4_attention.common.tile_scheduler import TileScheduler
 from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE, split_columns, uses_seesaw
+from dsv4_attention.stages.d1_smem_p.sm90_operands import (
+    ConsumerOperands,
+    Entries,
+    GlobalTensors,
+    Lengths,
+    SharedViews,
+    SplitParts,
+    TileRequest,
+    TileViews,
+    Window,
+)
+from dsv4_attention.stages.d1_smem_p.sm90_rows import RowSplitSchedule
+from dsv4_attention.stages.d1_smem_p.sm90_seesaw import SeesawSchedule
 
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SMEM_RESERVE = 1024  # barriers (and the split row stats: + 1 KiB), rounded to the 1 KiB alignment
 MAX_SLOTS = 4
-PRODUCER = -1  # role_tiles: the load warps' role (the consumer warpgroups are 0 and 1)
-
-
-@dataclasses.dataclass
-class SeesawOperands:
-    """One seesaw warpgroup's operand fragments and partitions (built once per CTA)."""
-    tSrQ: cute.Tensor  # QK A: Q from SMEM
-    tSrK: cute.Tensor  # QK B: the whole K tile of each slot
-    tOrV: cute.Tensor  # PV B (SS MMA): this warpgroup's V columns of each slot
-    tOrV_own: cute.Tensor  # PV B (RS MMA): the same columns
-    tOrP_smem: cute.Tensor  # PV A (SS MMA): sP buffer w = warpgroup w's P
-    tPsP: cute.Tensor  # this thread's P values in sP (acc layout, buffers)
-    tScS: cute.Tensor  # (row, key) of this thread's S values
-    q_empty: cute.Pointer | None  # persistent: arrived on after the warpgroup's last QK (sQ read)
-
-
-@dataclasses.dataclass
-class ConsumerOperands:
-    """What both consumer schedules (lock step, seesaw) take from the kernel: the MMAs, Q's
-    barrier, the SMEM views, the output's views and the CTA's coordinates (built once per CTA)."""
-    qk_mma: cute.TiledMma
-    pv_mma: cute.TiledMma
-    q_bar: cute.Pointer
-    sQ: cute.Tensor
-    sK: cute.Tensor
-    sVt: cute.Tensor
-    sP: cute.Tensor
-    row_stats: cute.Tensor  # (row, warpgroup, max|sum) fp32
-    tma_atom_o: cute.CopyAtom
-    gO: cute.Tensor  # O's tiles through TMA
-    gO_mem: cute.Tensor  # the same tiles in memory (rows past the end: per-row stores)
-    mLSE: cute.Tensor
-    mSink: cute.Tensor | None
-    scale_log2: cutlass.Float32
-    m_block: cutlass.Int32
-    head: cutlass.Int32
-    batch: cutlass.Int32
-    seqlen_q: cutlass.Int32
-    span: KvSpan
-    o_part: tuple | None = None  # split-KV: (the fp32 partial O tiles, partial LSE, partial batch index)
-
-
-@dataclasses.dataclass
-class SharedViews:
-    """The CTA's SMEM, set up once (barriers initialised): what every tile's roles use."""
-    q_bar: cute.Pointer  # Q landed (phase = the CTA's tile count & 1)
-    q_empty: cute.Pointer  # persistent: every consumer warp's last QK has read sQ (phase per tile)
-    handoffs: list  # seesaw: the three RoundHandoff barriers
-    ring: object  # K = V: the KvChunkRing; else K's PipelineTmaAsync
-    pipeline_v: object  # K != V: V's PipelineTmaAsync
-    sQ: cute.Tensor
-    sK: cute.Tensor
-    sV: cute.Tensor
-    sVt: cute.Tensor
-    sP: cute.Tensor
-    row_stats: cute.Tensor  # (row, warpgroup, max|sum) fp32
-    lists: cute.Tensor  # E top-k: (tile_n, slots) int32, each ring slot's tile of the list
-    ring_base: cute.Pointer  # the ring's first byte (E top-k: rows gathered by address)
-
-
-@dataclasses.dataclass
-class Lengths:
-    """D3's per-request key counts and variable-length offsets (None where unused)."""
-    seqused_k: cute.Tensor | None
-    cu_seqlens_q: cute.Tensor | None
-    cu_seqlens_k: cute.Tensor | None
-
-
-@dataclasses.dataclass
-class Window:
-    """D4's window bounds (None where unbounded: compiled out)."""
-    left: cutlass.Int32 | None
-    right: cutlass.Int32 | None
-
-
-@dataclasses.dataclass
-class Entries:
-    """E's compressed entries: their TMA view and memory, the ratio, the top-k lists, the absolute
-    position of raw key 0, the query positions, the varlen entry offsets (None where unused)."""
-    mC: cute.Tensor
-    mC_mem: cute.Tensor
-    ratio: cutlass.Int32 | None
-    mTopk: cute.Tensor | None
-    kv_start: cutlass.Int32 | None
-    mPositions: cute.Tensor | None
-    mCuSeqlensC: cute.Tensor | None
-
-
-@dataclasses.dataclass
-class SplitParts:
-    """Split-KV's partial outputs and split count (common/split_kv.py; None where unsplit)."""
-    mO: cute.Tensor | None
-    mLSE: cute.Tensor | None
-    num_splits: cutlass.Int32 | None
-
-
-@dataclasses.dataclass
-class GlobalTensors:
-    """The kernel's global operands by seam: Q, K, V, O (its TMA view and memory), LSE, then the
-    bundles of the stages that use them."""
-    mQ: cute.Tensor
-    mK: cute.Tensor
-    mV: cute.Tensor
-    mO: cute.Tensor
-    mO_mem: cute.Tensor
-    mLSE: cute.Tensor
-    lengths: Lengths
-    window: Window
-    entries: Entries
-    split: SplitParts
-
-
-@dataclasses.dataclass
-class TileRequest:
-    """The request a tile's (head, batch entry) belongs to: views to index with batch coordinate
-    ``b``, its packed row count, key count and compressed entries (the D3 and E seams)."""
-    mQ: cute.Tensor
-    mK: cute.Tensor
-    mV: cute.Tensor
-    mO: cute.Tensor
-    mO_mem: cute.Tensor
-    mLSE: cute.Tensor
-    b: cutlass.Int32
-    n_rows: cutlass.Int32
-    seqlen_k: cutlass.Int32
-    head_kv: cutlass.Int32
-    mC: cute.Tensor
-    mC_mem: cute.Tensor
-    n_compressed: cutlass.Int32
-    topk: cute.Tensor | None
-    positions: cute.Tensor | None
-
-
-@dataclasses.dataclass
-class TileViews:
-    """One Q tile's key span and the global views its loads and stores cut."""
-    m_block: cutlass.Int32
-    head: cutlass.Int32
-    b: cutlass.Int32
-    n_rows: cutlass.Int32
-    span: KvSpan
-    n_blocks: cutlass.Int32
-    mLSE: cute.Tensor
-    gQ: cute.Tensor
-    gO: cute.Tensor
-    gO_mem: cute.Tensor
-    mK_hb: cute.Tensor  # K's (seqlen, d) of the tile's (kv head, batch), from the span's first key
-    gK: cute.Tensor
-    gV: cute.Tensor
-    mC_hb: cute.Tensor  # the compressed entries' (seqlen_c, d) (fused stage)
-    mC_mem_hb: cute.Tensor  # their memory (E top-k gathers by address)
-    o_part: tuple | None = None  # split-KV: (the fp32 partial O tiles, partial LSE, partial batch index)
 
 
 def smem_buffer(dtype, elems: int, used: bool):
@@ -335,7 +193,7 @@ def smem_buffer(dtype, elems: int, used: bool):
     return cute.struct.MemRange[dtype, 16 // (dtype.width // 8)]
 
 
-class FlashAttentionD1Sm90:
+class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
     arch = "sm_90a"
 
     register_plan = register_plan  # the setmaxnreg split, checked against the launch (common/compile.py)
@@ -356,14 +214,14 @@ class FlashAttentionD1Sm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.kv_shared = bool(kv_shared)
-        self.split = head_dim >= SPLIT_FROM
+        self.col_split = head_dim >= SPLIT_FROM
         # K = V at split head dims whose O halves are whole chunks (384, 512): the seesaw schedule
         # (each warpgroup a whole S tile of alternate KV tiles). Where the halves overlap (320, 448:
         # warpgroup 0's PV reads a chunk of half 1) the half-tile load order waits on a PV that waits
         # on a later load: those kernels hung on the H100 at >= 3 KV tiles, so they keep the
         # lock-step split, as K != V does (one K and one V slot is all that fits)
         self.seesaw = uses_seesaw("sm90", head_dim, self.kv_shared)
-        if self.split:
+        if self.col_split:
             if p_in_smem is False:
                 raise ValueError(f"head_dim {head_dim}: two warpgroups share P, so P must go through SMEM")
             self.p_in_smem = True
@@ -385,7 +243,7 @@ class FlashAttentionD1Sm90:
         self.consumer_threads = self.num_wg * THREADS_PER_WARPGROUP
         # ping-pong between warpgroups with their own rows where the softmax is a large
         # share of a tile (stage C's choice); split warpgroups run in lock step instead
-        self.pingpong = not self.split and head_dim <= 128
+        self.pingpong = not self.col_split and head_dim <= 128
         self.rescale_o_before_pv = head_dim > 128
         self.slots = self._ring_slots()
         # the seesaw runs a persistent grid (common/persistent.py): its CTA count is baked in, and
@@ -402,7 +260,7 @@ class FlashAttentionD1Sm90:
     def smem_bytes_fixed(self) -> int:
         q = self.tile_m * self.head_dim * 2
         p = self.p_buffers * self.tile_m * self.tile_n * 2 if self.p_in_smem else 0
-        stats = 1024 if self.split else 0
+        stats = 1024 if self.col_split else 0
         return q + p + stats + SMEM_RESERVE
 
     def _ring_slots(self) -> int:
@@ -493,7 +351,7 @@ class FlashAttentionD1Sm90:
             bars_a, bars_b = 2 * self.slots, 2 * self.slots
         sV_t = smem_buffer(self.dtype, cute.cosize(sKV_layout), not self.kv_shared)
         sP_t = smem_buffer(self.dtype, cute.cosize(sP_layout), self.p_in_smem)
-        stats_t = smem_buffer(cutlass.Float32, 2 * 2 * WGMMA_M, self.split)
+        stats_t = smem_buffer(cutlass.Float32, 2 * 2 * WGMMA_M, self.col_split)
         lists_t = smem_buffer(cutlass.Int32, self.tile_n * self.slots, self.has_topk)
 
         @cute.struct
@@ -652,9 +510,7 @@ class FlashAttentionD1Sm90:
         if cutlass.const_expr(self.persistent):
             self.run_tiles(warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles)
         else:
-            m_block, head, batch = cute.arch.block_idx()
-            if cutlass.const_expr(self.longest_first):  # causal: the tiles with the most keys start first
-                m_block = cute.arch.grid_dim()[0] - 1 - m_block
+            m_block, head, batch = self.grid_tile()
             req = self.tile_request(head, batch, tensors)
             # a tile past its request's rows (varlen: the grid spans the longest request) has no work
             if m_block * self.tile_m < req.n_rows:
@@ -669,94 +525,6 @@ class FlashAttentionD1Sm90:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
                     self.consume(c, smem.ring, smem.pipeline_v, tile.n_blocks)  # the seesaw is persistent
-
-    @cute.jit
-    def run_tiles(self, warp_idx, tensors, atoms, layouts, mmas, mSink, scale_log2, m_tiles, n_tiles):
-        """The persistent seesaw (common/persistent.py): CTA c runs tiles c, c + grid, ... Each role
-        walks the same tiles and keeps counters across them: ``t0``, the ring uses before the tile
-        (its KV tile visits are ring uses t0 .. t0 + n_blocks - 1); ``it``, the tiles before it
-        (Q's phase, and the producer's wait for the last QKs that free sQ); the consumers also
-        ``r0``, the handoff rounds before it (one per pair: ceil(n_blocks / 2)). A tile past its
-        request's rows (varlen: the launch spans the longest request) is skipped by every role
-        alike (``tile_at``)."""
-        self.prefetch_descriptors(atoms, warp_idx)
-        smem = self.shared_views(layouts, warp_idx)
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx < self.producer_warps:
-                self.role_tiles(PRODUCER, warp_idx, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            # each warpgroup its own tile loop: what its role keeps across tiles (the addresses of its
-            # P buffer, which its epilogue stores O through) stays out of the other's loop (one loop
-            # around both roles kept both buffers' addresses alive in each: 32 registers, spilled)
-            if warp_idx < 8:
-                self.role_tiles(0, warp_idx, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
-            else:
-                self.role_tiles(1, warp_idx, tensors, atoms, mmas, smem, mSink, scale_log2, m_tiles, n_tiles)
-
-    @cute.jit
-    def role_tiles(self, role: int, warp_idx, tensors, atoms, mmas, smem: "SharedViews", mSink, scale_log2, m_tiles,
-                   n_tiles):
-        """One role of the persistent seesaw over the CTA's tiles: ``role`` (constant) is PRODUCER
-        (the load warps) or consumer warpgroup 0 / 1. The counters: ``t0`` the ring uses before the
-        tile, ``it`` the tiles before it, ``r0`` (consumers) the handoff rounds before it."""
-        heads = tensors.mQ.shape[2]
-        t0 = cutlass.Int32(0)
-        r0 = cutlass.Int32(0)
-        it = cutlass.Int32(0)
-        for tile_idx in cutlass.range(cute.arch.block_idx()[0], n_tiles, cute.arch.grid_dim()[0], unroll=1):
-            m_block, head, req, has_rows, split = self.tile_at(tile_idx, m_tiles, heads, tensors)
-            if has_rows:
-                tile = self.tile_views(m_block, head, req, tensors, smem, t0, split)
-                if self.has_visits(tile):
-                    if cutlass.const_expr(role == PRODUCER):
-                        self.load(smem, tile, atoms, warp_idx, t0, it)
-                    else:
-                        c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
-                        self.consume_seesaw(role, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, t0, r0, it,
-                                            smem.q_empty)
-                        r0 = r0 + (tile.n_blocks + 1) // 2
-                    t0 = t0 + tile.n_blocks
-                    it = it + 1
-                else:  # split-KV: a split past the span's tiles stores O = 0, LSE = -inf, loads nothing
-                    if cutlass.const_expr(self.split_kv and role != PRODUCER):
-                        self.store_empty_split(role, self.consumer_operands(mmas, smem, tile, atoms, mSink,
-                                                                            scale_log2))
-
-    @cute.jit
-    def tile_at(self, tile_idx, m_tiles, heads, tensors):
-        """The launch's unit ``tile_idx`` as every role of the persistent loop sees it: (m_block,
-        head, its request, whether it has rows: a tile past its request's rows has no work, varlen;
-        its split, split-KV, else None)."""
-        m_block, head, batch, split = self.tile_coords(tile_idx, m_tiles, heads, tensors.split.num_splits)
-        req = self.tile_request(head, batch, tensors)
-        has_rows = cutlass.Boolean(True)
-        if cutlass.const_expr(self.varlen):  # the launch spans the longest request
-            has_rows = m_block * self.tile_m < req.n_rows
-        return m_block, head, req, has_rows, split
-
-    @cute.jit
-    def tile_coords(self, tile_idx, m_tiles, heads, num_splits=None):
-        """(m_block, head, batch, split) of the launch's unit ``tile_idx``: the Q tile fastest, then
-        the split (split-KV; else None), the head, the batch entry (the non-persistent grid's x, y,
-        z, in that order: a token's Q tiles, and then its splits, run side by side on the same KV
-        rows); longest first where D4 asks for it."""
-        m_block = tile_idx % m_tiles
-        hb = tile_idx // m_tiles
-        split = None
-        if cutlass.const_expr(self.split_kv):
-            split = hb % num_splits
-            hb = hb // num_splits
-        if cutlass.const_expr(self.longest_first):
-            m_block = m_tiles - 1 - m_block
-        return m_block, hb % heads, hb // heads, split
-
-    def has_visits(self, tile: "TileViews"):
-        """Whether a unit visits any KV tile: always, but for a split-KV unit past its span's tiles."""
-        if cutlass.const_expr(self.split_kv):
-            return tile.n_blocks > 0
-        return True
 
     @cute.jit
     def prefetch_descriptors(self, atoms, warp_idx):
@@ -839,9 +607,9 @@ class FlashAttentionD1Sm90:
                            topk=topk_b, positions=positions_b)
 
     @cute.jit
-    def tile_views(self, m_block, head, req: "TileRequest", tensors, smem: "SharedViews", t0,
-                   split=None) -> "TileViews":
-        """Q tile ``m_block`` of (head, req): its key span (ring uses from ``t0``: a top-k span's
+    def tile_views(self, m_block, head, req: "TileRequest", tensors, smem: "SharedViews", uses_before,
+                   kv_part=None) -> "TileViews":
+        """Q tile ``m_block`` of (head, req): its key span (ring uses from ``uses_before``: a top-k span's
         staged lists follow the ring's slots) and the global views its loads and stores cut.
         split-KV: the span's visits are split ``split``'s (common/split_kv.py), its O and LSE go to
         the partial buffers at batch index split B + b."""
@@ -852,12 +620,12 @@ class FlashAttentionD1Sm90:
         n_blocks = span.n_tiles
         o_part = None
         if cutlass.const_expr(self.split_kv):
-            mOp, mLSEp, num_splits = tensors.split.mO, tensors.split.mLSE, tensors.split.num_splits
-            span.n_end, n_blocks = split_visits(span.n_tiles, split, num_splits)
-            pb = split * (mOp.shape[3] // num_splits) + b
+            mOp, mLSEp, num_splits = tensors.partials.mO, tensors.partials.mLSE, tensors.partials.num_splits
+            span.n_end, n_blocks = split_visits(span.n_tiles, kv_part, num_splits)
+            pb = kv_part * (mOp.shape[3] // num_splits) + b
             o_part = (cute.local_tile(mOp[None, None, head, pb], (self.tile_m, d), (None, 0)), mLSEp, pb)
         if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
-            span.stage_lists(smem.lists, self.slots, t0)
+            span.stage_lists(smem.lists, self.slots, uses_before)
         # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
         mK_hb = cute.domain_offset((span.origin, 0), req.mK[None, None, head_kv, b])
         mV_hb = cute.domain_offset((span.origin, 0), req.mV[None, None, head_kv, b])
@@ -890,11 +658,11 @@ class FlashAttentionD1Sm90:
     # -------------------------------------------------------------------------------
 
     @cute.jit
-    def load(self, smem: SharedViews, tile: TileViews, atoms, warp_idx: cutlass.Int32, t0=0, it=0):
+    def load(self, smem: SharedViews, tile: TileViews, atoms, warp_idx: cutlass.Int32, uses_before=0, tiles_before=0):
         """K[L], Q, then the tiles in the order the consumers need them: K = V, KV[n] for
         n = L-1 .. 0 (one load serves both GEMMs); otherwise (K[n - 1], V[n]) pairs as
         stage C, then V[0]. Rows past seqlen are zero-filled by TMA. The persistent seesaw's
-        ring uses start at ``t0``, and ``it`` counts the CTA's earlier tiles (Q waits for the
+        ring uses start at ``uses_before``, and ``tiles_before`` counts the CTA's earlier tiles (Q waits for the
         previous tile's epilogue to free sQ)."""
         tma_atom_q, tma_atom_k, tma_atom_v, _, tma_atom_c = atoms
         n_blocks, m_block, span = tile.n_blocks, tile.m_block, tile.span
@@ -911,7 +679,7 @@ class FlashAttentionD1Sm90:
             gather = (smem.ring_base, tile.mC_mem_hb, warp_idx)
             srcs = (span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
             if cutlass.const_expr(self.seesaw):
-                self.load_pairs(ring, n_blocks, srcs, q_load, warp_idx, t0, it, smem.q_empty)
+                self.load_pairs(ring, n_blocks, srcs, q_load, warp_idx, uses_before, tiles_before, smem.q_empty)
             else:
                 self.load_kv(ring, 0, n_last, *srcs)
                 if warp_idx == 0:
@@ -925,20 +693,21 @@ class FlashAttentionD1Sm90:
                        tma_atom_q, tQgQ, tQsQ, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
 
     @cute.jit
-    def load_pairs(self, ring: KvChunkRing, n_blocks, srcs, q_load, warp_idx, t0=0, it=0, q_empty=None):
+    def load_pairs(self, ring: KvChunkRing, n_blocks, srcs, q_load, warp_idx, uses_before=0, tiles_before=0,
+                   q_empty=None):
         """seesaw: the tiles of pair k (a = visit 2k, the leader's; b = 2k + 1, the follower's, absent
         in the last pair of an odd count) half by half in the order their halves are freed,
         FlashMLA's order: a's first half (the leader's PV over a frees it first), b's second (the
         follower's own PV), a's second (the follower's PV over a), b's first (the leader's PV over
         b, last). The follower's QK starts on b's second half (``first_chunk``), so both warpgroups
-        start on the first half-load of their tile. Ring uses count from ``t0`` (the persistent
+        start on the first half-load of their tile. Ring uses count from ``uses_before`` (the persistent
         CTA's earlier tiles). Q goes right after the first half-load on a CTA's first tile, and
-        before it where that load may wait longer than Q: on a later tile (``it`` > 0; Q waits
+        before it where that load may wait longer than Q: on a later tile (``tiles_before`` > 0; Q waits
         for ``q_empty``, the previous tile's last QKs, which come before the PVs that free the
         slot) and where the load waits for its index list (``q_first``)."""
         n_last = n_blocks - 1
         span = srcs[0]
-        q_ahead, q_after = it > 0, it == 0
+        q_ahead, q_after = tiles_before > 0, tiles_before == 0
         if cutlass.const_expr(self.q_first()):
             q_ahead, q_after = True, False
         for k in cutlass.range((n_blocks + 1) // 2, unroll=1):
@@ -946,25 +715,25 @@ class FlashAttentionD1Sm90:
             has_b = t_a < n_last
             if k == 0:
                 if q_ahead:
-                    self.issue_q(q_load, warp_idx, it, q_empty)
+                    self.issue_q(q_load, warp_idx, tiles_before, q_empty)
             n_a = span.visit_tile(t_a)  # tile a (b is n_a - 1)
-            self.load_kv(ring, t0 + t_a, n_a, *srcs, half=0)
+            self.load_kv(ring, uses_before + t_a, n_a, *srcs, half=0)
             if k == 0:
                 if q_after:
-                    self.issue_q(q_load, warp_idx, it, q_empty)
+                    self.issue_q(q_load, warp_idx, tiles_before, q_empty)
             if has_b:
-                self.load_kv(ring, t0 + t_a + 1, n_a - 1, *srcs, half=1)
-            self.load_kv(ring, t0 + t_a, n_a, *srcs, half=1)
+                self.load_kv(ring, uses_before + t_a + 1, n_a - 1, *srcs, half=1)
+            self.load_kv(ring, uses_before + t_a, n_a, *srcs, half=1)
             if has_b:
-                self.load_kv(ring, t0 + t_a + 1, n_a - 1, *srcs, half=0)
+                self.load_kv(ring, uses_before + t_a + 1, n_a - 1, *srcs, half=0)
 
     @cute.jit
-    def issue_q(self, q_load, warp_idx, it, q_empty):
+    def issue_q(self, q_load, warp_idx, tiles_before, q_empty):
         """Warp 0: Q's TMA; on a CTA's later tile first the wait for the previous tile's last QKs to
         have read sQ (phase it - 1 of q_empty, every consumer warp's arrival: ``release_q``)."""
         if warp_idx == 0:
-            if it > 0:
-                cute.arch.mbarrier_wait(q_empty, (it - 1) % 2)
+            if tiles_before > 0:
+                cute.arch.mbarrier_wait(q_empty, (tiles_before - 1) % 2)
             load_q(*q_load)
 
     def q_first(self) -> bool:
@@ -986,334 +755,12 @@ class FlashAttentionD1Sm90:
     # Consumers: warpgroups 1..W
     # -------------------------------------------------------------------------------
 
-    @cute.jit
-    def consume(self, c: ConsumerOperands, pipeline_k, pipeline_v, n_blocks: cutlass.Int32):
-        qk_mma, pv_mma, span, m_block = c.qk_mma, c.pv_mma, c.span, c.m_block
-        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
-        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        views = self.warpgroup_views(wg, tidx, qk_mma, pv_mma, c.sQ, c.sK, c.sVt, c.sP)
-        tSrQ, tSrK, tOrV, tOrP_smem, tPsP, tScS, thr_qk, thr_pv = views
-
-        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.qk_rows(), self.wg_keys)))
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.qk_rows(), self.o_width)))
-        r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # P, 16-bit, laid out like S
-        tOrP = as_a_operand(r_p)
-        softmax = OnlineSoftmax(acc_s.layout, c.scale_log2, may_be_empty=self.may_hide_rows())
-        o_scale = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
-        # split: this thread's rows within the 64 shared rows, and whether it writes them
-        stat_rows = acc_rows_view(tScS)
-
-        if cutlass.const_expr(self.pingpong):
-            pingpong_start(wg)
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.slots)
-        p_buf = n_blocks - 1  # sP buffer = tile index mod p_buffers
-
-        # ---- first tile (n_blocks - 1, holds the last key) ---------------------------
-        t = cutlass.Int32(0)  # K = V: tile use of the ring (tile n_blocks - 1 - t)
-        cute.arch.mbarrier_wait(c.q_bar, 0)
-        if cutlass.const_expr(self.kv_shared):
-            pipeline_k.gemm_qk(t, qk_mma, acc_s, tSrQ, tSrK[None, None, None, 0])
-        else:
-            pipeline_k.consumer_wait(state)
-            gemm(qk_mma, acc_s, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(not self.kv_shared):
-            pipeline_k.consumer_release(state)
-        self.mask_s(span, acc_s, tScS, n_blocks - 1, m_block * self.tile_m, first=True)
-        softmax.update(acc_s, is_first=True, tile_max=self.tile_max(softmax, acc_s, stat_rows, c.row_stats, wg))
-        self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
-        acc_o.fill(0.0)
-        o_scale.fill(1.0)
-
-        # ---- every further tile: QK(n) and PV(n + 1) in flight, then softmax(n) --------
-        for i in cutlass.range(n_blocks - 1, unroll=1):
-            v_state = state.clone()
-            t_v = t
-            if cutlass.const_expr(self.kv_shared):
-                t = t + 1
-                self.scheduler_wait(wg)
-                pipeline_k.gemm_qk(t, qk_mma, acc_s, tSrQ, tSrK[None, None, None, t % self.slots])
-            else:
-                state.advance()
-                pipeline_k.consumer_wait(state)
-                self.scheduler_wait(wg)
-                gemm(qk_mma, acc_s, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-            if cutlass.const_expr(self.rescale_o_before_pv):
-                scale_rows(acc_o, o_scale)
-            if cutlass.const_expr(self.kv_shared):
-                self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, t_v % self.slots, p_buf)
-            else:
-                pipeline_v.consumer_wait(v_state)
-                self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, v_state.index, p_buf)
-            self.scheduler_pass(wg)
-            warpgroup.wait_group(1)  # S(n) complete; PV may still run
-            if cutlass.const_expr(not self.kv_shared):
-                pipeline_k.consumer_release(state)
-            self.mask_s(span, acc_s, tScS, n_blocks - 2 - i, m_block * self.tile_m, first=False)
-            row_scale = softmax.update(
-                acc_s, is_first=False, tile_max=self.tile_max(softmax, acc_s, stat_rows, c.row_stats, wg)
-            )
-            warpgroup.wait_group(0)  # PV(n + 1) complete: P, O and the V slot are free
-            if cutlass.const_expr(self.kv_shared):
-                pipeline_k.release(t_v)
-            else:
-                pipeline_v.consumer_release(v_state)
-            p_buf = p_buf - 1
-            self.stage_p(acc_s, r_p, tPsP, p_buf, wg)
-            if cutlass.const_expr(self.rescale_o_before_pv):
-                o_scale.store(row_scale.load())
-            else:
-                scale_rows(acc_o, row_scale)
-
-        # ---- last PV (tile 0) -------------------------------------------------------
-        if cutlass.const_expr(self.rescale_o_before_pv):
-            scale_rows(acc_o, o_scale)
-        if cutlass.const_expr(self.kv_shared):
-            self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, t % self.slots, p_buf)
-            warpgroup.wait_group(0)
-            pipeline_k.release(t)
-        else:
-            pipeline_v.consumer_wait(state)
-            self.pv(pv_mma, acc_o, tOrP, tOrP_smem, tOrV, state.index, p_buf)
-            warpgroup.wait_group(0)
-            pipeline_v.consumer_release(state)
-
-        self.epilogue(c, acc_o, softmax, stat_rows, tScS, thr_pv, wg, tidx)
-
     # -------------------------------------------------------------------------------
     # Consumers, seesaw (K = V, head dims >= 320): warpgroup 0 leads, 1 follows
     # -------------------------------------------------------------------------------
 
-    @cute.jit
-    def consume_seesaw(self, wg: int, c: ConsumerOperands, pv_own_mma: cute.TiledMma, ring: KvChunkRing,
-                       handoffs: list, n_blocks: cutlass.Int32, t0, r0, it, q_empty):
-        """Warpgroup ``wg`` (a constant: 0 leads, 1 follows) on one Q tile. Pairs of KV tiles (a, b)
-        = visits (2k, 2k + 1): the leader computes S_a, the follower S_b, each over the whole head
-        dim, and each adds both tiles' P V to its O columns. See ``seesaw_lead`` /
-        ``seesaw_follow`` for one pair; an odd tile count ends with a pair that has no b.
-        ``handoffs``: [leader's max, follower's max and P, leader's P]. ``t0``, ``r0``, ``it``: the
-        CTA's ring uses, handoff rounds and tiles before this one (``run_tiles``)."""
-        qk_mma, pv_mma, span, row_stats = c.qk_mma, c.pv_mma, c.span, c.row_stats
-        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
-        sub = tidx % THREADS_PER_WARPGROUP
-        thr_qk = qk_mma.get_slice(sub)
-        thr_pv = pv_mma.get_slice(sub)
-        wg_qk, wg_pv, wg_own = qk_mma.get_slice(0), pv_mma.get_slice(0), pv_own_mma.get_slice(0)
-        sVt_w = self.v_columns(c.sVt, wg)
-        ops = SeesawOperands(
-            tSrQ=qk_mma.make_fragment_A(wg_qk.partition_A(c.sQ))[None, None, None, 0],  # (MMA, 1, d/16)
-            tSrK=qk_mma.make_fragment_B(wg_qk.partition_B(c.sK)),  # the whole tile: (MMA, 1, d/16, slots)
-            tOrV=pv_mma.make_fragment_B(wg_pv.partition_B(sVt_w)),  # this warpgroup's V columns
-            tOrV_own=pv_own_mma.make_fragment_B(wg_own.partition_B(sVt_w)),
-            tOrP_smem=pv_mma.make_fragment_A(wg_pv.partition_A(c.sP)),  # (MMA, 1, keys/16, 2 buffers)
-            tPsP=self.p_store_view(c.sP, wg, thr_qk),
-            tScS=self.s_coords(wg, thr_qk),
-            q_empty=q_empty,
-        )
-        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, self.tile_n)))
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
-        r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # own P, 16-bit: the RS wgmma's A
-        softmax = OnlineSoftmax(acc_s.layout, c.scale_log2, may_be_empty=self.may_hide_rows())
-        softmax.reset()
-        acc_o.fill(0.0)
-        stat_rows = acc_rows_view(ops.tScS)
-        mmas = (qk_mma, pv_mma, pv_own_mma)
-        first_row = c.m_block * self.tile_m
-
-        cute.arch.mbarrier_wait(c.q_bar, it % 2)
-        n_pairs = n_blocks // 2
-        base = (t0, r0)
-        if cutlass.const_expr(wg == 0):
-            for k in cutlass.range(n_pairs, unroll=1):
-                self.seesaw_lead(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
-                                 span, n_blocks, first_row, base)
-            if n_blocks % 2 == 1:
-                self.seesaw_lead(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
-                                 row_stats, span, n_blocks, first_row, base)
-            self.seesaw_lead_end(ring, n_blocks, t0)
-            self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, 0, tidx, ops.tPsP)
-        else:
-            for k in cutlass.range(n_pairs, unroll=1):
-                self.seesaw_follow(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
-                                   span, n_blocks, first_row, base)
-            if n_blocks % 2 == 1:
-                self.seesaw_follow(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
-                                   row_stats, span, n_blocks, first_row, base)
-            self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, 1, tidx, ops.tPsP)
         # both warpgroups hold O at the same max; the row sums meet in the epilogue, where each
         # stores its O through its own P buffer by the addresses its P stores use
-
-    @cute.jit
-    def seesaw_lead_end(self, ring: KvChunkRing, n_blocks, t0):
-        """The leader after its last pair: its PV over the follower's P (sQ is overwritten next, and
-        the last tile b's first half is freed here, as a pair's start frees the previous b's)."""
-        warpgroup.wait_group(0)
-        if n_blocks % 2 == 0:
-            self.seesaw_release_b(ring, t0 + n_blocks - 1)
-
-    @cute.jit
-    def seesaw_lead(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p,
-                    softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row, base=(0, 0)):
-        """Warpgroup 0, pair k (tile a = visit 2k, tile b = visit 2k + 1, when ``has_b``):
-
-            S_a = Q K_a[L]^T (group); [PV_bL of pair k - 1 done: release b's first half]
-            S_a += Q K_a[R]^T (group); release a's second half; mask
-            m_a = max(m, rowmax S_a) -> SMEM, hand over (handoff 0)      (the follower needs it)
-            P_a = exp2(S_a - m_a); l = l r_a + sum P_a; O_L = O_L r_a + P_a V_a[:, L]   (RS)
-            [PV_aL done: release a's first half]
-            wait for handoff 1; [release b's second half]; m_b from SMEM; r_b = exp2(m_a - m_b); l *= r_b
-            P_a r_b -> sP[0], hand over (handoff 2)                  (the follower's PV_aR)
-            O_L *= r_b; O_L += P_b V_b[:, L]   (SS, P_b from sP[1])
-
-        so that after the pair O_L, l and m are all at m_b, the follower's max. QK over a is
-        issued half by half so that b's first half is freed as soon as the PV before it is done,
-        not after a's second half has landed (the whole QK's issue waits for it): the producer
-        loads a pair's halves in the order a.L, b.R, a.R, b.L, and b.L goes into that half, so
-        freeing it after a.R landed made the follower, whose QK ends on b.L, wait for two loads
-        in a row each pair (FlashMLA's leader frees it between its two QK groups too).
-
-        ``base`` = (t0, r0): the ring uses and handoff rounds of the CTA's earlier tiles (the
-        persistent kernel); tile a is ring use t0 + 2k, pair k is handoff round r0 + k. Every half
-        of every use counts both warpgroups' releases (``seesaw_halves``), so the leader also frees
-        b's second half, which it never reads, once the follower's handoff 1 says b has landed."""
-        qk_mma, pv_mma, pv_own_mma = mmas
-        t = 2 * k  # tile a's visit in this tile's span
-        ta = base[0] + t  # its ring use
-        rnd = base[1] + k
-        tSrK = ops.tSrK[None, None, None, ta % self.slots]
-        ring.gemm_qk(ta, qk_mma, acc_s, ops.tSrQ, tSrK, chunks=ring.r_chunk)
-        if k > 0:  # pair k - 1's PV over P_b (issued before this QK) is done: b's slot is free to us
-            warpgroup.wait_group(1)
-            self.seesaw_release_b(ring, ta - 1)
-        ring.gemm_qk(ta, qk_mma, acc_s, ops.tSrQ, tSrK, first_chunk=ring.r_chunk, chunks=ring.chunks - ring.r_chunk,
-                     accumulate=True)
-        warpgroup.wait_group(0)
-        if t + 2 >= n_blocks:  # the last pair: this was the leader's last QK, sQ is read
-            self.release_q(ops.q_empty)
-        overlap = self.o_col1 < self.o_width
-        if cutlass.const_expr(not overlap):  # only this QK read the second half of tile a
-            ring.release(ta, 1)
-        if t == 0:
-            self.mask_s(span, acc_s, ops.tScS, span.visit_tile(t), first_row, first=True)
-        else:
-            self.mask_s(span, acc_s, ops.tScS, span.visit_tile(t), first_row, first=False)
-        tile_max = softmax.tile_max(acc_s)
-        self.publish_max(softmax.new_max(tile_max), stat_rows, row_stats, 0)
-        handoffs[0].arrive()
-        row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max)
-        convert_p_packed(acc_s, r_p)
-        scale_rows(acc_o, row_scale)
-        gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, ta % self.slots], zero_init=False)
-        warpgroup.wait_group(0)  # PV_aL done: a's first half (and a top-k slot's list, read by the mask) is free
-        ring.release(ta, 0)
-        if cutlass.const_expr(overlap):
-            ring.release(ta, 1)
-        # the follower's max (in the last pair without b: the leader's own, r_b = 1)
-        handoffs[1].wait(rnd)
-        if cutlass.const_expr(has_b):  # the follower's QK waited for all of b: its second half is not ours
-            ring.release(ta + 1, 1)
-        row_scale = softmax.follow(self.read_max(stat_rows, row_stats, 1))
-        scale_rows(acc_s, row_scale)
-        store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(0)])  # r_p is free: its PV is done
-        handoffs[2].arrive()
-        scale_rows(acc_o, row_scale)
-        if cutlass.const_expr(has_b):
-            ring.wait_full(ta + 1, 0, self.o_width // CHUNK_COLS)  # the follower's QK waited for them
-            gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(1)],
-                 ops.tOrV[None, None, None, (ta + 1) % self.slots], zero_init=False)
-
-    @cute.jit
-    def seesaw_follow(self, k, has_b: cutlass.Constexpr[bool], mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o,
-                      r_p, softmax: OnlineSoftmax, stat_rows, row_stats, span: KvSpan, n_blocks, first_row,
-                      base=(0, 0)):
-        """Warpgroup 1, pair k:
-
-            S_b = Q K_b^T; mask; [release b's first half]; tile max    (while the leader works on a)
-            wait for handoff 0; m_a from SMEM
-            m_b = max(m_a, rowmax S_b); P_b = exp2(S_b - m_b); r = exp2(m - m_b); l = l r + sum P_b
-            m_b -> SMEM, P_b -> sP[1], hand over (handoff 1)
-            O_R = O_R r + P_b V_b[:, R]                  (RS)
-            wait for handoff 2; O_R += (P_a r_b) V_a[:, R]   (SS, from sP[0])
-            wait both PVs, release their halves
-
-        Without b (the last pair of an odd count) the follower only adopts m_a (r = exp2(m - m_a))
-        and adds P_a V_a[:, R]. ``base`` as the leader's; the follower also frees a's first half,
-        which it never reads, as the pair starts (it must not be the later of the two arrivals: the
-        next tile a's first half-load waits for them)."""
-        qk_mma, pv_mma, pv_own_mma = mmas
-        t_a = 2 * k  # this tile's visits
-        t_b = t_a + 1
-        ra = base[0] + t_a  # their ring uses
-        rb = ra + 1
-        rnd = base[1] + k
-        # a's first half: never read here, freed at once. The slot's previous use is done: the
-        # follower passed the handoffs (or the epilogue) that follow the leader's release of it
-        ring.release(ra, 0)
-        tile_max = None
-        if cutlass.const_expr(not has_b):
-            if n_blocks == 1:  # a one-tile span: the follower computes no S, never reads sQ
-                self.release_q(ops.q_empty)
-        if cutlass.const_expr(has_b):
-            ring.gemm_qk(rb, qk_mma, acc_s, ops.tSrQ, ops.tSrK[None, None, None, rb % self.slots],
-                         first_chunk=self.o_col1 // CHUNK_COLS)  # the half its producer loads first
-            warpgroup.wait_group(0)
-            if t_b + 2 >= n_blocks:  # the follower's last QK (b is the last or next-to-last tile)
-                self.release_q(ops.q_empty)
-            self.mask_s(span, acc_s, ops.tScS, span.visit_tile(t_b), first_row, first=False)
-            ring.release(rb, 0)  # after the mask: a top-k slot's staged list is read there
-            tile_max = softmax.tile_max(acc_s)
-        handoffs[0].wait(rnd)
-        m_lead = self.read_max(stat_rows, row_stats, 0)
-        if cutlass.const_expr(has_b):
-            row_scale = softmax.update(acc_s, is_first=False, tile_max=tile_max, floor=m_lead)
-        else:
-            row_scale = softmax.follow(m_lead)
-        self.publish_max(softmax.row_max, stat_rows, row_stats, 1)
-        if cutlass.const_expr(has_b):
-            store_p(acc_s, r_p, ops.tPsP[None, None, None, self.own_p_buffer(1)])  # r_p: also its RS operand
-        handoffs[1].arrive()
-        scale_rows(acc_o, row_scale)
-        if cutlass.const_expr(has_b):
-            gemm(pv_own_mma, acc_o, as_a_operand(r_p), ops.tOrV_own[None, None, None, rb % self.slots],
-                 zero_init=False)
-        handoffs[2].wait(rnd)
-        ring.wait_full(ra, self.o_col1 // CHUNK_COLS, self.head_dim // CHUNK_COLS)  # the leader's QK waited
-        gemm(pv_mma, acc_o, ops.tOrP_smem[None, None, None, self.own_p_buffer(0)],
-             ops.tOrV[None, None, None, ra % self.slots], zero_init=False)
-        if cutlass.const_expr(has_b):
-            warpgroup.wait_group(1)
-            ring.release(rb, 1)
-        warpgroup.wait_group(0)
-        ring.release(ra, 1)
-
-    @cute.jit
-    def release_q(self, q_empty):
-        """persistent: this thread's QKs, all waited for, have read sQ; every consumer thread arrives
-        (no one-lane branch before the next wgmma: ptxas C7519), and the next tile's Q may land."""
-        if cutlass.const_expr(q_empty is not None):
-            cute.arch.mbarrier_arrive(q_empty)
-
-    @cute.jit
-    def seesaw_release_b(self, ring: KvChunkRing, t_b):
-        """The leader's PV over tile b (its first half, and the overlap of the second) is done."""
-        ring.release(t_b, 0)
-        if cutlass.const_expr(self.o_col1 < self.o_width):
-            ring.release(t_b, 1)
-
-    @cute.jit
-    def publish_max(self, m, stat_rows, row_stats, wg: int):
-        """Row maxima m (exp2 domain) of this thread's rows -> SMEM slot wg (one lane per quad)."""
-        if stat_rows[0, 0][1] == 0:
-            for i in cutlass.range_constexpr(cute.size(m)):
-                row_stats[stat_rows[i, 0][0], wg, 0] = m[i]
-
-    @cute.jit
-    def read_max(self, stat_rows, row_stats, wg: int) -> cute.Tensor:
-        out = cute.make_rmem_tensor(cute.size(stat_rows, mode=[0]), cutlass.Float32)
-        for i in cutlass.range_constexpr(cute.size(out)):
-            out[i] = row_stats[stat_rows[i, 0][0], wg, 0]
-        return out
 
     # -------------------------------------------------------------------------------
     # Pieces of the consumer loop
@@ -1327,7 +774,7 @@ class FlashAttentionD1Sm90:
         buffer, 64 at a time: the row sums' barrier says both warpgroups' PVs have read them; ``tPsP``
         the seesaw's P store view); LSE (split, seesaw: warpgroup 0's copy, both hold the same rows)."""
         total = None
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.col_split):
             total = self.exchange_sums(softmax, stat_rows, c.row_stats, wg)
         inv_sum = softmax.finalize(total)
         self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
@@ -1341,7 +788,7 @@ class FlashAttentionD1Sm90:
             else:
                 self.store_o(acc_o, c.sQ, thr_pv, c.tma_atom_o, c.gO, c.gO_mem, c.m_block, wg, tidx,
                              c.seqlen_q - first_row)
-            if cutlass.const_expr(self.split):  # both warpgroups hold the same rows' LSE
+            if cutlass.const_expr(self.col_split):  # both warpgroups hold the same rows' LSE
                 if wg == 0:
                     store_lse(c.mLSE, softmax.lse, tScS, first_row, c.head, c.batch, c.seqlen_q)
             else:
@@ -1362,46 +809,16 @@ class FlashAttentionD1Sm90:
             store_lse(mLSEp, lse, tScS, first_row, c.head, pb, c.seqlen_q)
         cute.arch.sync_warp()  # reconverged before the next unit's wgmma (ptxas C7519)
 
-    @cute.jit
-    def store_empty_split(self, wg: int, c: ConsumerOperands):
-        """split-KV: a split past its span's tiles has no key: O = 0, LSE = -inf, as the empty-row
-        path gives, so the merge reads every part it is given."""
-        sub = (cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP) % THREADS_PER_WARPGROUP
-        thr_pv = c.pv_mma.get_slice(sub)
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
-        acc_o.fill(0.0)
-        tScS = self.s_coords(wg, c.qk_mma.get_slice(sub))
-        lse = cute.make_rmem_tensor(cute.size(acc_rows_view(tScS), mode=[0]), cutlass.Float32)
-        lse.fill(-cutlass.Float32.inf)
-        self.store_partial(c, acc_o, lse, tScS, thr_pv, wg)
-
     def make_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
         """(QK, PV) tiled MMAs: one warpgroup's (split) or all warpgroups stacked along M.
         PV's A is sP (SS wgmma) or the P registers (RS wgmma, stage C)."""
-        warpgroups = 1 if self.split else self.num_wg
+        warpgroups = 1 if self.col_split else self.num_wg
         qk_mma = make_tiled_mma(self.dtype, self.wg_keys, warpgroups=warpgroups)  # seesaw: 64 x 64 per warpgroup
         if self.p_in_smem:
             pv_mma = make_tiled_mma(self.dtype, self.o_width, b_major=OperandMajorMode.MN, warpgroups=warpgroups)
         else:
             pv_mma = make_pv_tiled_mma(self.dtype, self.head_dim, warpgroups=warpgroups)
         return qk_mma, pv_mma
-
-    def make_pv_own_mma(self) -> cute.TiledMma:
-        """seesaw: the PV MMA over a warpgroup's own P, from its registers (RS wgmma, stage C's
-        trick: the QK accumulator's registers are the A fragment), 64 x width x 16."""
-        return make_pv_tiled_mma(self.dtype, self.o_width, warpgroups=1)
-
-    def seesaw_halves(self):
-        """seesaw: the warps that free each half of a tile in an even and an odd ring slot: all eight,
-        in both. Half 0 = chunks [0, c_1 / 64), read by the QK of the warpgroup that computes the
-        tile's S and by warpgroup 0's PV; half 1 = the rest, by that QK and warpgroup 1's PV. The
-        warpgroup that reads neither half (the follower for tile a's first, the leader for b's
-        second) frees it too, after a handoff that follows the other warpgroup's wait for that
-        use's landing. So the count does not depend on which warpgroup's S a slot holds, and a
-        persistent CTA's next tile may start its ring uses at either parity (an odd tile count
-        leaves the next tile's a in an odd slot)."""
-        warps = THREADS_PER_WARPGROUP // 32  # of one warpgroup
-        return ((2 * warps, 2 * warps), (2 * warps, 2 * warps))
 
     def p_smem_layout(self) -> cute.ComposedLayout:
         """sP (tile_m, tile_n, p_buffers) (common/smem_p.py); a 64-key placeholder view
@@ -1415,14 +832,14 @@ class FlashAttentionD1Sm90:
         """This thread's P values in sP, (acc_s's layout, buffers): the QK accumulator
         partition of the warpgroup's (64 rows, its 32 keys) block (split) or of the whole
         (tile_m, tile_n) tile (rows; the partition picks the warpgroup's rows)."""
-        if cutlass.const_expr(self.split and not self.seesaw):
+        if cutlass.const_expr(self.col_split and not self.seesaw):
             return thr_qk.partition_C(cute.local_tile(sP, (WGMMA_M, self.wg_keys), (0, wg, None)))
         else:  # rows: the partition picks the rows; seesaw: warpgroup w writes buffer w (whole tile)
             return thr_qk.partition_C(sP)
 
     def qk_rows(self) -> int:
         """Rows of the QK / PV tiled MMAs: one warpgroup's 64 (split) or the whole tile."""
-        return WGMMA_M if self.split else self.tile_m
+        return WGMMA_M if self.col_split else self.tile_m
 
     @cute.jit
     def warpgroup_views(self, wg, tidx, qk_mma, pv_mma, sQ, sK, sVt, sP):
@@ -1432,7 +849,7 @@ class FlashAttentionD1Sm90:
         split: one-warpgroup MMAs; warpgroup w takes keys [32 w, 32 w + 32) of the K tile
                (4 KiB into each 64-column block, whole 1 KiB swizzle atoms) and V's
                columns [c_w, c_w + width) (whole 64-column blocks)."""
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.col_split):
             sub = tidx % THREADS_PER_WARPGROUP
             thr_qk = qk_mma.get_slice(sub)
             thr_pv = pv_mma.get_slice(sub)
@@ -1460,8 +877,8 @@ class FlashAttentionD1Sm90:
     def s_coords(self, wg, thr_qk: cute.ThrMma) -> cute.Tensor:
         """(row, key) within the (tile_m, tile_n) tile of every S value of this thread: its QK
         partition of the whole tile (rows) or of its warpgroup's keys [32 w, 32 w + 32) (split)."""
-        keys = cute.make_identity_tensor((self.qk_rows() if self.split else self.tile_m, self.tile_n))
-        if cutlass.const_expr(self.split and not self.seesaw):
+        keys = cute.make_identity_tensor((self.qk_rows() if self.col_split else self.tile_m, self.tile_n))
+        if cutlass.const_expr(self.col_split and not self.seesaw):
             keys = cute.local_tile(keys, (WGMMA_M, self.wg_keys), (0, wg))
         return thr_qk.partition_C(keys)
 
@@ -1499,7 +916,7 @@ class FlashAttentionD1Sm90:
     def tile_max(self, softmax, acc_s, stat_rows, row_stats, wg):
         """The rows' raw max over the whole KV tile. split: this half's max to SMEM (one
         lane per quad), sync ROW_STATS, max with the other half's; else None (local)."""
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.col_split):
             own = softmax.tile_max(acc_s)
             if stat_rows[0, 0][1] == wg * self.wg_keys:  # the quad's first lane
                 for i in cutlass.range_constexpr(cute.size(own)):
@@ -1511,7 +928,7 @@ class FlashAttentionD1Sm90:
         else:
             return None
 
-    def first_key(self, wg):
+    def s_block_first_key(self, wg):
         """The first key of warpgroup wg's S block (a quad's first lane holds it)."""
         return 0 if self.seesaw else wg * self.wg_keys
 
@@ -1519,7 +936,7 @@ class FlashAttentionD1Sm90:
     def exchange_sums(self, softmax, stat_rows, row_stats, wg):
         """split: the full row sums, this half's plus the other's, through SMEM."""
         own = softmax.row_sums()
-        if stat_rows[0, 0][1] == self.first_key(wg):
+        if stat_rows[0, 0][1] == self.s_block_first_key(wg):
             for i in cutlass.range_constexpr(cute.size(own)):
                 row_stats[stat_rows[i, 0][0], wg, 1] = own[i]
         # unaligned: the persistent seesaw's warpgroups reach it each from its own copy of the epilogue
@@ -1534,7 +951,7 @@ class FlashAttentionD1Sm90:
         fenced, and the readers synced."""
         if cutlass.const_expr(self.p_in_smem):
             store_p(acc_s, r_p, tPsP[None, None, None, p_buf % self.p_buffers])
-            if cutlass.const_expr(self.split):
+            if cutlass.const_expr(self.col_split):
                 cute.arch.barrier(barrier_id=int(Sm90FwdBarrier.P_READY), number_of_threads=self.consumer_threads)
             else:
                 cute.arch.barrier(
@@ -1573,7 +990,7 @@ class FlashAttentionD1Sm90:
         barrier_id = int(Sm90FwdBarrier.EPILOGUE)
         is_store_warp = tidx // 32 == 0
         rows = {"gO_rows": gO_rows, "rows_left": rows_left, "tidx": tidx}
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.col_split):
             sO_w = cute.local_tile(cute.domain_offset((0, wg * self.o_col1), sQ[None, None, 0]),
                                    (WGMMA_M, self.o_width), (0, 0))
             if cutlass.const_expr(self.o_col1 == self.o_width):
@@ -1611,13 +1028,3 @@ class FlashAttentionD1Sm90:
                 epilogue_store_o_chunks(*args)
         else:
             epilogue_store_o_chunks(*args)
-
-    @cute.jit
-    def scheduler_wait(self, wg: cutlass.Int32):
-        if cutlass.const_expr(self.pingpong):
-            pingpong_wait(wg)
-
-    @cute.jit
-    def scheduler_pass(self, wg: cutlass.Int32):
-        if cutlass.const_expr(self.pingpong):
-            pingpong_pass(wg, self.num_wg)
