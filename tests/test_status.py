@@ -73,6 +73,30 @@ def test_each_stage_evidence_goes_stale_with_its_own_files_only(tmp_path):
     assert report.stale_groups(rep, tmp_path) == ["none"]
 
 
+def test_bench_scope_follows_the_benchmark_modules(tmp_path):
+    """A group's function defined in a tools/bench_*.py module (the registry imports it): its own
+    imports and those of a helper it imports from a sibling module are in the group's bench scope;
+    a sibling's function it does not call, and another group's function, are not (negative
+    controls)."""
+    from dsv4_attention.common import scope
+
+    _tree(tmp_path)
+    (tmp_path / "tools" / "bench_rows.py").write_text(
+        "def helper():\n    from dsv4_attention.common import other\n\n"
+        "def unused():\n    from dsv4_attention.common import unused\n")
+    (tmp_path / "tools" / "bench_p.py").write_text(
+        "from tools.bench_rows import helper\n\n"
+        "def bench_p(dev):\n    from dsv4_attention.stages import p_one\n    return helper()\n")
+    (tmp_path / "tools" / "bench.py").write_text(
+        "from tools.bench_p import bench_p\n\n"
+        "def bench_q(dev):\n    from dsv4_attention.stages import q_two\n\n"
+        'BENCHES = {"p": bench_p, "q": bench_q}\n')
+    got = scope.scope("p", "bench", tmp_path)
+    assert "common/other.py" in got and "stages/p_one/sm90.py" in got
+    assert "common/unused.py" not in got
+    assert "stages/p_one/sm90.py" not in scope.scope("q", "bench", tmp_path)
+
+
 def test_session_parts_sum_per_group(tmp_path):
     """A session run in parts (gpu_report --shard) sums per group; a group whose files changed
     between parts keeps only the parts of its current code (a part missing shows), while the other

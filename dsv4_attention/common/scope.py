@@ -7,8 +7,9 @@ render runs in CI, without a GPU or the DSL's import time):
 
     tests of stage G   the files of G's package, the test files that mark tests ``stage_G``, and
                        tests/conftest.py
-    bench of stage G   the files of G's package and the imports of G's function in tools/bench.py
-                       (``BENCHES[G]``) and of every module-level function it names
+    bench of stage G   the files of G's package and the imports of G's function (``BENCHES[G]``
+                       in tools/bench.py, defined in a tools/bench_*.py module) and of every
+                       module-level function it names, and the benchmark modules' own
 
 then everything those reach, transitively:
 
@@ -174,29 +175,68 @@ def stage_folder(stage_id: str, root: pathlib.Path = ROOT) -> pathlib.Path:
     raise ValueError(f"no stage with ID {stage_id!r} under stages/")
 
 
+def _tools_module(name: str | None, root: pathlib.Path) -> pathlib.Path | None:
+    """The file of a ``tools.*`` module (the benchmark modules import each other), else None."""
+    if not name or not name.startswith("tools."):
+        return None
+    path = root / (name.replace(".", "/") + ".py")
+    return path if path.is_file() else None
+
+
 def bench_imports(group: str, root: pathlib.Path = ROOT) -> list:
-    """The import statements that ``BENCHES[group]`` in tools/bench.py runs: the module's own and
-    those inside every module-level function it names, transitively."""
-    path = root / "tools" / "bench.py"
-    tree = _tree(path)
-    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    """The import statements that ``BENCHES[group]`` runs (tools/bench.py, the registry, and the
+    benchmark modules it imports, tools/bench_*.py): every module's own (importing the registry
+    runs them all) and those inside every module-level function the group's function reaches,
+    transitively, within a module or through a name imported from another benchmark module."""
+    registry = root / "tools" / "bench.py"
+    modules: dict = {}  # path -> (tree, its functions, names imported from tools modules -> (path, name))
+
+    def load(path):
+        if path not in modules:
+            tree = _tree(path)
+            funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+            imported = {}
+            for n in tree.body:
+                target = _tools_module(n.module, root) if isinstance(n, ast.ImportFrom) else None
+                if target is not None:
+                    imported.update({a.asname or a.name: (target, a.name) for a in n.names})
+            modules[path] = (tree, funcs, imported)
+        return modules[path]
+
+    todo_modules, loaded = [registry], []
+    while todo_modules:
+        path = todo_modules.pop()
+        if path in loaded:
+            continue
+        loaded.append(path)
+        todo_modules += [target for target, _ in load(path)[2].values()]
+    nodes = {path: [n for n in modules[path][0].body if isinstance(n, (ast.Import, ast.ImportFrom))
+                    and _tools_module(getattr(n, "module", None), root) is None] for path in loaded}
+    tree, funcs, imported = modules[registry]
     table = next(n.value for n in tree.body if isinstance(n, ast.Assign)
                  and any(isinstance(t, ast.Name) and t.id == "BENCHES" for t in n.targets))
     start = next(v.id for k, v in zip(table.keys, table.values, strict=True)
                  if isinstance(k, ast.Constant) and k.value == group)
-    nodes = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    seen, todo = set(), [start]
+    seen, todo = set(), [imported.get(start, (registry, start))]
     while todo:
-        name = todo.pop()
-        if name in seen:
+        path, name = todo.pop()
+        if (path, name) in seen:
             continue
-        seen.add(name)
+        seen.add((path, name))
+        _, funcs, imported = load(path)
+        if name not in funcs:
+            continue
         for n in ast.walk(funcs[name]):
             if isinstance(n, (ast.Import, ast.ImportFrom)):
-                nodes.append(n)
+                nodes.setdefault(path, []).append(n)
             elif isinstance(n, ast.Name) and n.id in funcs:
-                todo.append(n.id)
-    return import_targets(nodes, path, root)
+                todo.append((path, n.id))
+            elif isinstance(n, ast.Name) and n.id in imported:
+                todo.append(imported[n.id])
+    out = []
+    for path, found in nodes.items():
+        out += [f for f in import_targets(found, path, root) if f not in out]
+    return out
 
 
 def scope(group: str, kind: str = "tests", root: pathlib.Path = ROOT) -> list:

@@ -19,12 +19,12 @@ Three layouts of the consumer warpgroups (W = 2, or 3 at head dim 64)
     seesaw  (K = V): warpgroup w computes the whole S = Q K^T of every other KV tile (visits
             2k + w), 64 x 64 per wgmma, so Q is read from SMEM once per tile instead of twice
             (64 x 32 wgmmas read Q for half the keys each: SMEM-bandwidth bound). FlashMLA's
-            schedule; ours is written out at ``seesaw_lead`` and ``seesaw_follow``. Warpgroup 0 (the leader) takes tile a of a pair, 1 (the
-            follower) tile b; the leader's new row max goes to the follower, which takes the
-            larger of it and its own; the leader rescales its P_a to the follower's max before
-            handing it over. Each adds its own P from registers (RS wgmma) and the other's from
-            SMEM (SS wgmma). After every pair both O halves, both partial row sums and both maxima
-            stand at the same max; the row sums meet at the end.
+            schedule; ours is written out at ``seesaw_lead`` and ``seesaw_follow``. Warpgroup 0 (the
+            leader) takes tile a of a pair, 1 (the follower) tile b; the leader's new row max goes
+            to the follower, which takes the larger of it and its own; the leader rescales its P_a
+            to the follower's max before handing it over. Each adds its own P from registers (RS
+            wgmma) and the other's from SMEM (SS wgmma). After every pair both O halves, both
+            partial row sums and both maxima stand at the same max; the row sums meet at the end.
     split   (K != V, lock step): warpgroup w computes S for keys [32 w, 32 w + 32) of each
             64-key tile and the row max is exchanged through SMEM each tile (ROW_STATS). With
             separate K and V tiles only one of each fits SMEM at 512, too few for two tiles in

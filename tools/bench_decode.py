@@ -1,0 +1,121 @@
+"""The decode benchmark (GPU only): DeepSeek-V4 decode steps with the fused kernel, latency and
+bandwidth rather than a stage's arithmetic (``python -m tools.bench --stage decode``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attention.common import bench
+from tools.bench_stages import dsv4_layer, graph_ms, guarded
+
+
+def bench_decode(dev) -> list:
+    """DeepSeek-V4 decode with the fused kernel (``decode_row``): a bench of its own, like ``calls``,
+    since it measures latency and bandwidth rather than a stage's arithmetic, and re-runs alone."""
+    copy = bench.copy_gbps(dev)
+    rows = []
+    for topk in (None, 512):
+        for sq in (1, 2):
+            for sk in (4096, 65536):
+                rows += guarded(decode_row, dev, sq, sk, topk, copy)
+                torch.cuda.empty_cache()
+    # few requests with long spans: split-KV (common/split_kv.py) against one unit per Q tile
+    for mode, sk in (("dense", 8192), ("dense", 65536), ("hca", 1 << 20)):
+        for b in (1, 4, 16):
+            rows += guarded(split_decode_row, dev, mode, b, sk)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def decode_layer_kwargs(c: dict, mode: str) -> dict:
+    """Stage E's forward keywords for a ``dsv4_layer`` case ``c`` run as ``mode``: "dense" (MQA
+    decode over every key, the sink), "hca" (window (127, 0) + every visible entry) or "csa"
+    (window + the case's top-k lists, unchecked). The split count such a call runs with is the
+    library's to choose and report (``call_plan.last_splits``), not recomputed here."""
+    kw = {"learnable_sink": c["learnable_sink"]}
+    if mode == "dense":
+        return kw
+    kw.update(compressed_kv=c["compressed_kv"], compress_ratio=c["compress_ratio"], causal=True,
+              window_size=(127, 0))
+    if mode == "csa":
+        kw.update(topk_indices=c["topk_indices"], check_indices=False)
+    return kw
+
+
+def split_decode_row(dev, mode: str, b: int, sk: int) -> dict:
+    """Decode of ``b`` requests x 1 token x 128 heads, hd 512 K = V, sink: every one of ``sk`` keys
+    (``mode`` dense: MQA decode) or DeepSeek-V4's HCA layer (window (127, 0) + the sk / 128
+    entries). The split count the library chooses (``num_splits=None``) against one unit per Q
+    tile (``num_splits=1``), both replayed from CUDA graphs in the same run, same inputs."""
+    from dsv4_attention.common import call_plan
+    from dsv4_attention.stages import e_fused
+
+    c = dsv4_layer(dev, b, 1, sk, None)
+    kw = decode_layer_kwargs(c, mode)
+    ms = {n: graph_ms([lambda n=n: e_fused.forward(c["q"], c["kv"], num_splits=n, **kw)])
+          for n in (1, None)}
+    split_o = e_fused.forward(c["q"], c["kv"], num_splits=None, **kw)[0].float()
+    splits = call_plan.last_splits()  # the count the library chose for this call
+    diff = (split_o - e_fused.forward(c["q"], c["kv"], **kw)[0].float()).abs().max().item()
+    what = "every key" if mode == "dense" else f"window(127, 0) + {c['compressed_kv'].shape[1]} entries (ratio 128)"
+    row = {"stage": "decode", "case": f"split-KV decode b{b} h128 hk1 sq1 sk{sk} {what} hd512 k_eq_v sink bf16",
+           "head_dim": 512, "seqlen": sk, "kind": "split-KV decode (CUDA graph replay)", "num_splits": splits,
+           "ours_ms": round(ms[None], 4), "unsplit_ms": round(ms[1], 4), "split_speedup": round(ms[1] / ms[None], 2),
+           "max_abs_diff_vs_unsplit": diff, "peers": {}, "peer_ms": {}, "time_ratio_vs": {}}
+    print(f"decode {row['case']}: split {splits} ways {ms[None] * 1e3:.1f} us, unsplit {ms[1] * 1e3:.1f} us "
+          f"({row['split_speedup']}x), max|diff| {diff:.3g}", flush=True)
+    return row
+
+
+def decode_row(dev, sq: int, sk: int, topk: int | None, copy: float) -> dict:
+    """DeepSeek-V4 decode: 64 requests x ``sq`` tokens, 128 heads, one K = V head of hd 512, window
+    (127, 0) + compressed entries (HCA: all visible at ratio 128; CSA: ``topk`` at ratio 4). Small
+    and latency-bound: bandwidth over the bytes that must move (each request's window rows, the
+    compressed rows it reads once, Q, O, LSE) against a same-run device copy.
+
+    ``ours_ms`` is the kernels' time, replayed from a CUDA graph over input sets rotated past L2
+    (``graph_ms``). A 40-200 us kernel timed per eager call also times the host: events bracket
+    the whole Python call, its validation (for top-k lists a bounds check read back to the host)
+    and argument packing before the launch. That per-call time is kept as ``eager_ms``."""
+    from dsv4_attention.stages import e_fused
+
+    b = 64
+    c = dsv4_layer(dev, b, sq, sk, topk)
+    window_rows = min(sk, 128 + sq - 1)
+    if topk is None:
+        c_rows = b * int(c["count"].max())
+    else:
+        lists = c["topk_indices"].reshape(b, -1).sort(-1).values
+        distinct = (lists[:, 1:] != lists[:, :-1]) & (lists[:, 1:] >= 0)
+        c_rows = int(distinct.sum()) + int((lists[:, 0] >= 0).sum())
+    moved = (b * window_rows + c_rows) * 512 * 2 + 2 * b * sq * 128 * 512 * 2 + b * 128 * sq * 4
+
+    def call_of(case, check=True):
+        kw = {"compressed_kv": case["compressed_kv"], "compress_ratio": case["compress_ratio"],
+              "topk_indices": case["topk_indices"], "learnable_sink": case["learnable_sink"], "causal": True,
+              "window_size": (127, 0), "check_indices": check}
+        return lambda: e_fused.forward(case["q"], case["kv"], **kw)
+
+    eager_ms = bench.time_ms([call_of(c)])
+    # top-k lists read by the host on each eager call (a synchronisation) unless check_indices=False
+    eager_unchecked_ms = bench.time_ms([call_of(c, False)]) if topk else None
+    # further input sets (other seeds, same shapes and counts) until the rotation exceeds L2
+    cases = [c] + [dsv4_layer(dev, b, sq, sk, topk, seed=i) for i in range(1, bench.rotation_count(moved))]
+    ms = graph_ms([call_of(x) for x in cases])
+    ckv = c["compressed_kv"]
+    flop = e_fused.flops(b, sq, sk, 128, 512, True, (127, 0), c["compress_ratio"], ckv.shape[1], topk=topk)
+    what = f"top-{topk} of {ckv.shape[1]} (ratio 4)" if topk else f"{ckv.shape[1]} entries (ratio 128)"
+    row = {"stage": "decode",
+           "case": f"decode b{b} h128 hk1 sq{sq} sk{sk} window(127, 0) + {what} hd512 k_eq_v sink bf16",
+           "head_dim": 512, "seqlen": sk, "kind": "decode (CUDA graph replay, L2 rotated)",
+           "ours_ms": round(ms, 4), "eager_ms": round(eager_ms, 4), "input_sets": len(cases),
+           **({"eager_unchecked_ms": round(eager_unchecked_ms, 4)} if topk else {}),
+           "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {},
+           "gbps": round(moved / (ms * 1e-3) / 1e9), "copy_gbps": round(copy)}
+    row["fraction_of_copy"] = round(row["gbps"] / copy, 3)
+    row["ours_gbps"], row["peer_gbps"] = row["gbps"], {"copy": row["copy_gbps"]}  # the results table's columns
+    print(f"decode {row['case']}: {ms:.4f} ms replayed ({eager_ms:.4f} ms per eager call), {row['gbps']} GB/s "
+          f"({row['fraction_of_copy']:.0%} of copy), {len(cases)} input sets", flush=True)
+    del cases
+    return row
