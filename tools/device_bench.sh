@@ -2,7 +2,9 @@
 # Every benchmark group on the device, one call: the groups dealt over the machine's GPUs, one
 # tools.gpu_report run per GPU side by side (each GPU its own groups, peers in the same process).
 # Writes $OUT/bench<K>.json (each run's own parts, for `python -m tools.merge_runs`) and blogs.tgz.
-#     source .device/env.sh && bash tools/device_bench.sh
+#     source .device/env.sh; bash tools/device_bench.sh
+# DEVICE_BENCH_GROUPS="e d1 ..." runs only those groups (a call has 10 minutes: on a machine of
+# one or two GPUs deal the groups over several calls); DRY_RUN=1 prints the plan only.
 set -uo pipefail
 out="${OUT:?set OUT}"
 gpus=$(nvidia-smi -L | wc -l)
@@ -13,13 +15,16 @@ import sys
 n = int(sys.argv[1])
 weights = {"e": 3, "d1": 2, "decode": 2, "c": 1.5, "d4": 1.5, "calls": 1.5, "d2": 1, "d3": 1, "d5": 1, "a": .5, "b": .5}
 from tools import bench
-groups = [g for g in sorted(bench.BENCHES, key=lambda g: -weights.get(g, 1)) if g != "cp"]
+import os
+chosen = os.environ.get("DEVICE_BENCH_GROUPS", "").split()
+groups = [g for g in sorted(bench.BENCHES, key=lambda g: -weights.get(g, 1)) if g != "cp" and (not chosen or g in chosen)]
 load = [[0, []] for _ in range(n)]
 for g in groups:
     part = min(load, key=lambda p: p[0]); part[0] += weights.get(g, 1); part[1].append(g)
 print("\n".join(" ".join(p[1]) for p in load))
 PY
 )
+if [ "${DRY_RUN:-0}" = 1 ]; then echo "$plan"; exit 0; fi
 mkdir -p /tmp/db
 k=0; pids=()
 while read -r groups; do
