@@ -161,11 +161,15 @@ def assert_flashmla_bytes(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 
 def _flashmla_quant():
-    """FlashMLA's own quantizer (its tests/quant.py, in the conformance suite beside the checkout),
-    or None where that folder is not there."""
+    """FlashMLA's own quantizer (its tests/quant.py): the file ``FLASHMLA_QUANT_PY`` names (a
+    FlashMLA checkout's), else the copy in the device pack's conformance suite (``.device/``, or
+    the pack beside the checkout); None where none is there."""
+    import os
+
     here = pathlib.Path(__file__).resolve().parents[1]
-    for root in (here.parent / "shared", here / ".device"):
-        path = root / "conformance" / "flashmla-sparse-prefill" / "tests" / "quant.py"
+    suite = pathlib.Path("conformance") / "flashmla-sparse-prefill" / "tests" / "quant.py"
+    given = os.environ.get("FLASHMLA_QUANT_PY")
+    for path in ([pathlib.Path(given)] if given else []) + [here / ".device" / suite, here.parent / "shared" / suite]:
         if path.exists():
             spec = importlib.util.spec_from_file_location("flashmla_quant", path)
             mod = importlib.util.module_from_spec(spec)
@@ -180,8 +184,9 @@ def test_same_bytes_as_flashmla_quantizer():
     page's tail uninitialised), and the same dequantized values."""
     fm = _flashmla_quant()
     if fm is None:
-        pytest.skip("needs FlashMLA's tests/quant.py from the conformance suite in ../shared (CI and the device "
-                    "have it beside the checkout), the quantizer compared with")
+        pytest.skip("FlashMLA's reference quantizer (its tests/quant.py) is not on this machine: point "
+                    "FLASHMLA_QUANT_PY at a FlashMLA checkout's copy to compare bytes with it (the layout itself "
+                    "is checked against its definition by the tests above)")
     g = fresh_generator()
     for nb, b in [(2, 64), (3, 2), (1, 256)]:
         kv = pages(nb, b, g, magnitude=3.0)
@@ -213,7 +218,8 @@ def test_same_bytes_as_flashmla_on_the_gpu_and_its_decode_reads_them(arch):
     aside); FlashMLA's FP8 sparse decode over our cache and over its own gives the same bits."""
     fm = _peer()
     if fm is None:
-        pytest.skip("needs FlashMLA's SM90 build from the device pack (flashmla_peer), the quantizer compared with")
+        pytest.skip("FlashMLA (the flashmla_peer package, a peer to compare with, not a dependency) is not "
+                    "installed here: its quantizer and FP8 decode are what this test compares against")
     g = fresh_generator()
     for nb, b in [(8, 64), (40, 2), (3, 256)]:
         kv = pages(nb, b, g, magnitude=3.0).cuda()
