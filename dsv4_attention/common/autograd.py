@@ -41,14 +41,15 @@ def refuse_grad(what: str, **tensors) -> None:
             raise NotDifferentiableError(_message(what, name))
 
 
-def refuse_op_grad(op, what: str, names: tuple) -> None:
+def refuse_op_grad(op, what: str) -> None:
     """Register on the custom op ``op`` an autograd rule that refuses: its context setup (run by
     torch only when grad mode is on and a tensor input requires grad) raises
-    :class:`NotDifferentiableError` naming the first such input of ``names`` (the op's positional
-    parameters, in order)."""
+    :class:`NotDifferentiableError` naming the first such input, by the op's own parameter names
+    (its dispatcher schema)."""
+    names = [a.name for a in op._opoverload._schema.arguments]
 
     def setup_context(ctx, inputs, output):
-        for name, t in zip(names, inputs, strict=False):  # names: the leading, floating-point ones
+        for name, t in zip(names, inputs, strict=False):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 raise NotDifferentiableError(_message(what, name))
         raise NotDifferentiableError(_message(what, "an input"))

@@ -112,7 +112,20 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
     with no key on the host, launch. ``options``: the kernel's compile-time options; ``tail``: its
     arguments after the stream (D1's kernel: ``no_mask_args()``). ``plan``: the caller's part of
     the call's signature (its options, hashable; None: never planned): a call whose signature has
-    a plan skips everything but the alignment check and the allocation of its outputs."""
+    a plan skips everything but the alignment check and the allocation of its outputs.
+
+    What every attention stage's ``forward`` (B to E) returns and raises:
+
+    Returns:
+        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32 ([heads, total_q] varlen), natural
+        log; written into ``out`` / ``lse_out`` when given. A row with no visible key: O = 0,
+        LSE = -inf.
+
+    Raises:
+        ValueError: before any launch, naming the argument the kernel does not serve (dtype,
+            device, shape, strides, alignment, head dim, lengths, indices).
+        NotDifferentiableError: under grad mode, an input that requires grad (common/autograd.py).
+    """
     refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v)
     key = None
     if plan is not None:
@@ -225,8 +238,6 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     One straight line: the plan (a repeated signature replays it), the shapes of a
     variable-length call, the common checks (``check_call``), its offsets (``resolve_varlen``),
     the options (``resolve_masks``: one frozen :class:`MaskedCall`), the launch, the split merge."""
-    refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v, learnable_sink=learnable_sink,
-                compressed_kv=compressed_kv)
     refuse_grad(f"stage {stage_id}'s forward", q=q, k=k, v=v, learnable_sink=learnable_sink,
                 compressed_kv=compressed_kv)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None

@@ -81,6 +81,24 @@ def pingpong_pass(wg: cutlass.Int32, num_wg: cutlass.Constexpr[int]):
     cute.arch.barrier_arrive(barrier_id=int(Sm90FwdBarrier.SCHEDULER_WG0) + nxt, number_of_threads=PINGPONG_THREADS)
 
 
+class PingPong:
+    """Mixin of the consumer schedules with ping-pong (stage C, D1's rows): ``self.pingpong``
+    (compile-time) and ``self.num_wg`` say whether and over how many warpgroups the GEMM turns
+    rotate; without ping-pong both calls compile to nothing."""
+
+    @cute.jit
+    def scheduler_wait(self, wg: cutlass.Int32):
+        """Wait for this warpgroup's turn to issue its GEMMs."""
+        if cutlass.const_expr(self.pingpong):
+            pingpong_wait(wg)
+
+    @cute.jit
+    def scheduler_pass(self, wg: cutlass.Int32):
+        """Hand the turn to the next consumer warpgroup (round robin)."""
+        if cutlass.const_expr(self.pingpong):
+            pingpong_pass(wg, self.num_wg)
+
+
 # ---- one warpgroup hands data in SMEM to another, once per round (stage D1's seesaw) ----
 
 

@@ -101,9 +101,7 @@ def _register_attention(stage):
         b, sq, h, _ = q.shape
         return o, q.new_empty((b, h, sq), dtype=torch.float32)
 
-    refuse_op_grad(op, f"op {name}", ("q", "k", "v", "softmax_scale", "causal", "window_left", "window_right",
-                                      "seqused_k", "pack_gqa", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                                      "max_seqlen_k", "learnable_sink", "compressed_kv"))
+    refuse_op_grad(op, f"op {name}")
     return op
 
 
@@ -117,7 +115,7 @@ def _register_qk(stage):
         b, sq, h, _ = q.shape
         return q.new_empty((b, h, sq, k.shape[1]), dtype=torch.float32)
 
-    refuse_op_grad(op, f"op {NAMESPACE}::{stage.id}_{stage.name}", ("q", "k"))
+    refuse_op_grad(op, f"op {NAMESPACE}::{stage.id}_{stage.name}")
     return op
 
 
@@ -143,6 +141,5 @@ def _(q, kv, indices, topk_length=None, attn_sink=None, softmax_scale=None, chec
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-refuse_op_grad(index_attention, f"op {NAMESPACE}::e_index_attention",
-               ("q", "kv", "indices", "topk_length", "attn_sink"))
+refuse_op_grad(index_attention, f"op {NAMESPACE}::e_index_attention")
 OPS["e_index"] = index_attention

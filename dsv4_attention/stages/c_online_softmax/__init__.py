@@ -41,13 +41,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     seqlen_k (0 gives O = 0 and LSE = -inf), bf16 or fp16, head_dim in {64, 128, 256}, kv_heads
     dividing heads.
 
-    Returns:
-        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log; written into
-        ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
-
-    Raises:
-        ValueError: before any launch, naming the argument the kernel does not serve.
-        NotDifferentiableError: under grad mode, an input that requires grad.
+    Returns / Raises: as every attention stage (``common/interface.attention_forward``).
     """
     return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out, plan=())
 

@@ -88,7 +88,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from dsv4_attention.common.layouts import check_attention_operands, seq_major
 from dsv4_attention.common.mask import mask_seqlen_k, num_kv_tiles
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
-from dsv4_attention.common.sm90_barriers import Sm90FwdBarrier, pingpong_pass, pingpong_start, pingpong_wait
+from dsv4_attention.common.sm90_barriers import PingPong, Sm90FwdBarrier, pingpong_start
 from dsv4_attention.common.sm90_epilogue import store_lse, store_o
 from dsv4_attention.common.sm90_gemm import (
     REGISTERS,
@@ -112,7 +112,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 DEFAULT_TILES = {64: (192, 128), 128: (128, 128), 256: (128, 80)}
 
 
-class FlashAttentionSm90:
+class FlashAttentionSm90(PingPong):
     arch = "sm_90a"
 
     register_plan = register_plan  # the setmaxnreg split, checked against the launch (common/compile.py)
@@ -419,15 +419,3 @@ class FlashAttentionSm90:
             tidx // 32 == 0,
         )
         store_lse(mLSE, softmax.lse, tScS, m_block * self.tile_m, head, batch, seqlen_q)
-
-    @cute.jit
-    def scheduler_wait(self, wg: cutlass.Int32):
-        """Wait for this warpgroup's turn to issue its GEMMs (ping-pong)."""
-        if cutlass.const_expr(self.pingpong):
-            pingpong_wait(wg)
-
-    @cute.jit
-    def scheduler_pass(self, wg: cutlass.Int32):
-        """Hand the turn to the next consumer warpgroup (round robin)."""
-        if cutlass.const_expr(self.pingpong):
-            pingpong_pass(wg, self.num_wg)

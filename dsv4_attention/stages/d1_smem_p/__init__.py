@@ -45,13 +45,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     ``p_in_smem`` forces P through SMEM (True) or registers / TMEM (False) where the kernel
     allows both; None takes the kernel's default for the head dim.
 
-    Returns:
-        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log; written into
-        ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
-
-    Raises:
-        ValueError: before any launch, naming the argument the kernel does not serve.
-        NotDifferentiableError: under grad mode, an input that requires grad.
+    Returns / Raises: as every attention stage (``common/interface.attention_forward``).
     """
     options = {"kv_shared": interface.same_memory(k, v)}
     if p_in_smem is not None:

@@ -5,7 +5,7 @@ Three layouts of the consumer warpgroups: ``rows`` (head dim <= 256: warpgroup w
 [64 w, 64 w + 64)), ``split`` (both warpgroups own the same 64 rows and split O's columns), and
 the persistent seesaw, which lives in sm90_seesaw.py. KV tiles are visited last first, the next
 QK overlapping the softmax; with pingpong the warpgroups take turns at the tensor cores
-(``scheduler_wait`` / ``scheduler_pass``).
+(common/sm90_barriers.PingPong).
 """
 
 
@@ -16,11 +16,7 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from dsv4_attention.common.p_staging import as_a_operand
-from dsv4_attention.common.sm90_barriers import (
-    pingpong_pass,
-    pingpong_start,
-    pingpong_wait,
-)
+from dsv4_attention.common.sm90_barriers import PingPong, pingpong_start
 from dsv4_attention.common.sm90_gemm import (
     THREADS_PER_WARPGROUP,
     gemm,
@@ -29,7 +25,7 @@ from dsv4_attention.common.softmax import OnlineSoftmax, acc_rows_view, scale_ro
 from dsv4_attention.stages.d1_smem_p.sm90_operands import ConsumerOperands
 
 
-class RowSplitSchedule:
+class RowSplitSchedule(PingPong):
     """The row-split schedule's consumer loop, mixed into stage D1's sm90 kernel class."""
 
     @cute.jit
@@ -126,13 +122,3 @@ class RowSplitSchedule:
             pipeline_v.consumer_release(state)
 
         self.epilogue(c, acc_o, softmax, stat_rows, tScS, thr_pv, wg, tidx)
-
-    @cute.jit
-    def scheduler_wait(self, wg: cutlass.Int32):
-        if cutlass.const_expr(self.pingpong):
-            pingpong_wait(wg)
-
-    @cute.jit
-    def scheduler_pass(self, wg: cutlass.Int32):
-        if cutlass.const_expr(self.pingpong):
-            pingpong_pass(wg, self.num_wg)

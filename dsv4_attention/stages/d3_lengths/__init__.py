@@ -47,13 +47,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, seqused_k: torch.Ten
     (checked before launch). Variable-length: q [total_q, heads, d], k and v [total_k, kv_heads,
     d], o like q and lse [heads, total_q].
 
-    Returns:
-        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log; written into
-        ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
-
-    Raises:
-        ValueError: before any launch, naming the argument the kernel does not serve.
-        NotDifferentiableError: under grad mode, an input that requires grad.
+    Returns / Raises: as every attention stage (``common/interface.attention_forward``).
     """
     return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
                                               tile_rows=tile_rows, p_in_smem=p_in_smem, pack_gqa=pack_gqa,

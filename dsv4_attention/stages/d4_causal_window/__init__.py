@@ -46,13 +46,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False
     causal: right bound 0. window_size: (left, right), each an int >= 0 or None (unbounded).
     DeepSeek-V4's window branch is ``causal=True, window_size=(127, 0)``.
 
-    Returns:
-        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log; written into
-        ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
-
-    Raises:
-        ValueError: before any launch, naming the argument the kernel does not serve.
-        NotDifferentiableError: under grad mode, an input that requires grad.
+    Returns / Raises: as every attention stage (``common/interface.attention_forward``).
     """
     window = check_window(causal, window_size)
     return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,

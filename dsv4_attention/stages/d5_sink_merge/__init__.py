@@ -50,13 +50,8 @@ def forward(q, k, v, *, softmax_scale: float | None = None, learnable_sink: torc
     """Stage D4's attention with an attention sink: ``learnable_sink`` None or [heads] fp32 on
     q's device, O *= sigmoid(LSE - sink[h]).
 
-    Returns:
-        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log (without the sink);
-        written into ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
-
-    Raises:
-        ValueError: before any launch, naming the argument the kernel does not serve.
-        NotDifferentiableError: under grad mode, an input that requires grad.
+    Returns / Raises: as every attention stage (``common/interface.attention_forward``); LSE
+    never includes the sink.
     """
     window = check_window(causal, window_size)
     return interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,

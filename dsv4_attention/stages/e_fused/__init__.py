@@ -99,13 +99,8 @@ def forward(q, k, v=None, *, compressed_kv: torch.Tensor | None = None, compress
     kv-head stride to be head_dim (unless one kv head), both checked before launch
     (``validation.check_gather_layout``).
 
-    Returns:
-        (o, lse): o like q, lse [batch, heads, seqlen_q] fp32, natural log over both key sets,
-        without the sink; written into ``out`` / ``lse_out`` when given. A row with no visible key: O = 0, LSE = -inf.
-
-    Raises:
-        ValueError: before any launch, naming the argument the kernel does not serve.
-        NotDifferentiableError: under grad mode, an input that requires grad.
+    Returns / Raises: as every attention stage (``common/interface.attention_forward``); LSE is
+    over both key sets and never includes the sink.
     """
     if v is None:
         v = k
