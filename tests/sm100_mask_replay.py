@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import seam_calls
 import torch
 from cutlass import Float32, Int32
 
@@ -65,10 +66,11 @@ def build_mask_runner(kernel, positions: bool = False):
         if cutlass.const_expr(positions):
             pos_row = pos
         if cutlass.const_expr(compressed):
-            span = kernel.kv_span(m_blk, rows, keys_k, left, right, ratio, n_compressed, None, kv_start, pos_row)
+            span = seam_calls.span(kernel, m_blk, rows, keys_k, left, right, ratio, n_compressed, None, kv_start,
+                                   pos_row)
             info[2] = span.n_cmp
         else:
-            span = kernel.kv_span(m_blk, rows, keys_k, left, right)
+            span = seam_calls.span(kernel, m_blk, rows, keys_k, left, right)
             info[2] = 0
         info[0] = span.origin
         info[1] = span.n_tiles

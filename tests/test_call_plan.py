@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dsv4_attention
-from dsv4_attention.common import call_plan, interface, jit, split_kv
+from dsv4_attention.common import call_plan, interface, jit, seams, split_kv
 from dsv4_attention.stages import c_online_softmax, d1_smem_p, e_fused
 
 
@@ -31,8 +31,19 @@ def bshd(b, s, h, d, offset=0):
 
 
 def same_args(a, b) -> bool:
-    return len(a) == len(b) and all((x is y) if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)
-                                    else x == y and type(x) is type(y) for x, y in zip(a, b, strict=True))
+    """The same tensors (by identity) and values (with their types), the seams' bundles field by field."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            if type(x) is not type(y) or not same_args(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+        elif not (x == y and type(x) is type(y)):
+            return False
+    return True
 
 
 def inputs(kind):
@@ -223,8 +234,9 @@ def test_the_entry_never_plans_calls_whose_checks_read_values(kernel):
 
 # ---- split-KV calls (common/split_kv.py): planned as a SplitPlan, fresh partial buffers each call ----
 
-# the kernel's arguments: q, k, v, o, lse, scale, then MASK_ARGS (call_args drops the stream)
-PARTIALS = [6 + interface.MASK_ARGS.index(n) for n in ("o_partial", "lse_partial")]
+# the kernel's arguments: q, k, v, o, lse, scale, then the seams' bundles (common/seams.py; call_args
+# drops the stream): split-KV's SplitParts is the last
+PARTS = 6 + seams.TAIL.index("partials")
 
 
 def split_case():
@@ -233,7 +245,7 @@ def split_case():
 
 
 def without_partials(args):
-    return [a for i, a in enumerate(args) if i not in PARTIALS]
+    return [a._replace(o=None, lse=None) if i == PARTS else a for i, a in enumerate(args)]
 
 
 @pytest.mark.parametrize("num_splits", [3, None])
@@ -250,13 +262,14 @@ def test_a_split_call_is_planned_with_fresh_partial_buffers(kernel, num_splits):
     o, lse = e_fused.forward(q2, kv2, kv2, learnable_sink=sink2, num_splits=num_splits)  # planned
     planned = kernel[-1]
     assert call_plan.last_splits() == chosen and planned[3] is o and planned[4] is lse
-    for i in PARTIALS:  # the plan's own buffers, new for each call, shaped as the full path's
-        assert planned[i] is not first[i] and planned[i].shape == first[i].shape
-        assert planned[i].shape[0] == chosen * 2 and planned[i].dtype == torch.float32
+    for f in ("o", "lse"):  # the plan's own buffers, new for each call, shaped as the full path's
+        new, old = getattr(planned[PARTS], f), getattr(first[PARTS], f)
+        assert new is not old and new.shape == old.shape
+        assert new.shape[0] == chosen * 2 and new.dtype == torch.float32
     call_plan.clear()
     e_fused.forward(q2, kv2, kv2, learnable_sink=sink2, num_splits=num_splits, out=o, lse_out=lse)  # full path
     assert same_args(without_partials(planned), without_partials(kernel[-1]))
-    assert planned[6 + interface.MASK_ARGS.index("num_splits")] == chosen
+    assert planned[PARTS].num_splits == chosen
 
 
 def test_a_planned_split_call_keeps_its_merge(kernel, monkeypatch):
@@ -283,10 +296,10 @@ def test_the_split_comparison_rejects_a_plan_with_another_split_count(kernel):
     plan.splits = 5
     o, lse = e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3)
     planned = kernel[-1]
-    assert planned[PARTIALS[0]].shape[0] == 10  # 5 x 2: not the 3 x 2 the kernel's count asks for
+    assert planned[PARTS].o.shape[0] == 10  # 5 x 2: not the 3 x 2 the kernel's count asks for
     call_plan.clear()
     e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3, out=o, lse_out=lse)
-    assert planned[PARTIALS[0]].shape != kernel[-1][PARTIALS[0]].shape
+    assert planned[PARTS].o.shape != kernel[-1][PARTS].o.shape
 
 
 def test_split_counts_are_part_of_the_signature(kernel):
@@ -309,14 +322,14 @@ def test_the_entry_plans_split_calls(kernel):
     o, lse = dsv4_attention.attention(q2, kv2, learnable_sink=sink, num_splits=None)  # the entry's plan
     planned = kernel[-1]
     assert planned[0] is q2 and planned[1] is kv2 and planned[3] is o and call_plan.last_splits() == 4
-    assert planned[PARTIALS[0]].shape[0] == 8
+    assert planned[PARTS].o.shape[0] == 8
 
 
 def test_a_split_plan_keeps_no_tensor_of_the_call_alive(kernel):
     q, kv, sink = split_case()
     e_fused.forward(q, kv, kv, learnable_sink=sink, num_splits=3)
     first = kernel[-1]
-    refs = [weakref.ref(t) for t in (q, kv, sink, first[PARTIALS[0]], first[PARTIALS[1]])]
+    refs = [weakref.ref(t) for t in (q, kv, sink, first[PARTS].o, first[PARTS].lse)]
     del q, kv, sink, first
     kernel.clear()
     gc.collect()

@@ -33,6 +33,7 @@ from sm90_mask_replay import MAX_VISITS, kept_keys, mask_replayer, pair_mismatch
 
 from dsv4_attention.common.layouts import request_rows
 from dsv4_attention.common.pack_heads import packed_row
+from dsv4_attention.common.seams import Window
 
 pytestmark = [pytest.mark.arch("sm90"), pytest.mark.stage_d3, pytest.mark.proof]
 
@@ -214,7 +215,7 @@ def mask_runner(name: str, wrong: str | None = None):
         k_ids = seq_major(cute.make_identity_tensor((used.shape[0], seqlen_k, HK, D)))
         q, o, lse = kernel.row_views(q_ids, q_ids, cute.make_identity_tensor((used.shape[0], heads, seqlen_q)))
         _, _, _, _, _, _, bi, n_rows, n_keys = kernel.request_views(batch, q, k_ids, k_ids, o, o, lse, used, None, None)
-        span = kernel.kv_span(m_block, n_rows, n_keys, 0, 0, 0, 0, None)
+        span = kernel.kv_span(m_block, n_rows, n_keys, Window(0, 0), None)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = bi

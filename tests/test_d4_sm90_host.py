@@ -21,6 +21,7 @@ import functools
 
 import cutlass.cute as cute
 import pytest
+import seam_calls
 import torch
 from cutlass import Int32
 from sm90_mask_replay import (
@@ -76,9 +77,9 @@ def kernel_class(wrong: str | None):
         return masking_first_tile_only(FlashAttentionD4Sm90)
     if wrong == "top_left":
         class TopLeft(FlashAttentionD4Sm90):
-            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0, positions=None):
-                return TopLeftSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
-                                   self.has_left, self.has_right)
+            def kv_span(self, m_block, rows, seqlen_k, window, entries):
+                return TopLeftSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window.left,
+                                   window.right, self.has_left, self.has_right)
         return TopLeft
     raise ValueError(wrong)
 
@@ -100,7 +101,7 @@ def runner(name: str, has_left: bool, has_right: bool, wrong: str | None = None)
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, m_block: Int32, rows: Int32,
              seqlen_k: Int32, left: Int32, right: Int32):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, 0, 0, None)
+        span = seam_calls.span(kernel, m_block, rows, seqlen_k, left, right)
         info[0] = span.origin
         info[1] = span.n_tiles
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)

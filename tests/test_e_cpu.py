@@ -354,9 +354,9 @@ class ReachedLaunch(Exception):
 def launch(monkeypatch):
     """``launch(arch, fn, *args, **kw)``: run ``fn`` with the device taken for ``arch``; returns
     (the kernel's arguments by name, its compile-time options) where the kernel would have run."""
-    from dsv4_attention.common import call_plan, interface, jit
+    from dsv4_attention.common import call_plan, interface, jit, seams
 
-    names = ["q", "k", "v", "o", "lse", "scale_log2", "stream", *interface.MASK_ARGS]
+    names = ["q", "k", "v", "o", "lse", "scale_log2", "stream", *seams.TAIL]
     arch = ["sm90"]
 
     def stage_kernel(stage_id, kernels, a, dtype, head_dim, args, options=None):
@@ -400,11 +400,11 @@ def test_index_mode_takes_flashmla_strided_inputs_in_place(launch, arch):
     assert kv.stride() == (1280, 640, 1) and q.stride() == (129 * 640, 640, 1) and idx.stride()[2] == 1
     for check in (True, False):
         args, options = launch(arch, stage.index_attention, q, kv, idx, softmax_scale=0.5, check_indices=check)
-        kv4 = args["compressed_kv"]
+        kv4 = args["entries"].compressed
         assert args["k"] is kv4 and args["v"] is kv4, "K, V and the gathered rows are one tensor"
         assert in_place(kv4, kv) and kv4.shape == (1, 40, 1, 512) and kv4.stride()[1:] == kv.stride()
         assert in_place(args["q"], q) and args["q"].stride()[1:] == q.stride()
-        assert torch.equal(args["topk_indices"][0], idx[:, 0]) and args["compress_ratio"] == 1
+        assert torch.equal(args["entries"].topk[0], idx[:, 0]) and args["entries"].ratio == 1
         assert options["index_mode"] and options["has_topk"] and options["kv_shared"]
 
 
@@ -415,7 +415,7 @@ def test_index_mode_reads_no_stride_of_kvs_middle_dim(launch, arch):
     q, kv, idx = flashmla_inputs()
     odd = kv.as_strided(kv.shape, (kv.stride(0), 3, 1))
     args, _ = launch(arch, stage.index_attention, q, odd, idx)
-    assert in_place(args["compressed_kv"], kv) and args["compressed_kv"].stride()[1:] == (1280, 1280, 1)
+    assert in_place(args["entries"].compressed, kv) and args["entries"].compressed.stride()[1:] == (1280, 1280, 1)
 
 
 def compressed_layout(layout: str, batch: int, n: int, hk: int, d: int = 512) -> torch.Tensor:
@@ -470,7 +470,7 @@ def test_topk_takes_strided_compressed_kv_in_place(launch, arch, layout, batch, 
             launch(arch, stage.forward, q, kv, **kw)
         return
     args, options = launch(arch, stage.forward, q, kv, **kw)
-    assert args["compressed_kv"] is ckv and args["k"] is kv and args["q"] is q and args["topk_indices"] is idx
+    assert args["entries"].compressed is ckv and args["k"] is kv and args["q"] is q and args["entries"].topk is idx
     assert options["has_topk"] and options["kv_shared"]
 
 

@@ -8,7 +8,7 @@ import pytest
 from plain_jit import plain
 from seesaw_protocol import _Span, make_seesaw, protocol_tests
 
-from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
+from dsv4_attention.stages.e_fused.sm90 import EntrySources, FlashAttentionESm90
 
 pytestmark = [pytest.mark.stage_e, pytest.mark.proof, pytest.mark.arch("sm90")]
 
@@ -65,7 +65,7 @@ def producer_waits(kernel, tiles, warp, monkeypatch, load_kv=None) -> list:
     t0 = 0
     for it, (window, gathered) in enumerate(tiles):
         n = window + gathered
-        srcs = (_FusedSpan(gathered, n), None, None, None, None, None, (None, None, warp))
+        srcs = (_FusedSpan(gathered, n), None, None, None, EntrySources(None, None, None, None, warp))
         plain(type(k).load_pairs)(k, ring, n, srcs, None, warp, t0, it, None)
         t0 += n
     return ring.waits
@@ -81,12 +81,11 @@ def parity_lapping(waits, slots) -> str | None:
     return None
 
 
-def skipping_load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather, half=None):
+def skipping_load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, sources, half=None):
     """The earlier load_kv: a TMA tile was warp 0's alone (warps 1-3 went on to the next gather)."""
-    _, _, warp_idx = gather
     if n < span.n_cmp:
         self.gather_tile(ring, t, n, span, None, None, half)
-    elif warp_idx == 0:
+    elif sources.warp_idx == 0:
         ring.load(t, None, None, None, n - span.n_cmp, half)
 
 

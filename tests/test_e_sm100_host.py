@@ -14,7 +14,7 @@ tiles, the TMA warp's source per tile, and the compile budgets.
    floor(t' / r) instead of floor((t' + 1) / r), and a compressed tile's columns counted from the
    window's first key.
 2. TMA sources, traced. The TMA warp's ``load_k_block`` (with ``kv_tma_views`` and
-   ``compressed_tma_view`` on atoms built as ``__call__`` builds them) runs for every tile and K
+   ``entry_sources`` on atoms built as ``__call__`` builds them) runs for every tile and K
    block of a span (its source as plain Python on Python ints inside a trace, cute.copy recorded: a
    traced `if` would emit both branches), recording the atom and the box start each copy gets:
    compressed tile n from the compressed atom at entry n T, window tile n from K's atom at key
@@ -37,6 +37,7 @@ import itertools
 import cutlass
 import cutlass.cute as cute
 import pytest
+import seam_calls
 import torch
 from cutlass import Int32
 from plain_jit import plain
@@ -45,9 +46,10 @@ from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import compressed_visible, compressed_visible_at
 from dsv4_attention.common.layout_proof import first_mismatches
+from dsv4_attention.common.seams import Lengths, Window
 from dsv4_attention.common.sm100_softmax import visible_columns
 from dsv4_attention.common.tmem import QK_TILE_M
-from dsv4_attention.stages.e_fused.sm100 import FlashAttentionESm100
+from dsv4_attention.stages.e_fused.sm100 import EntryOperands, FlashAttentionESm100
 
 pytestmark = [pytest.mark.arch("sm100"), pytest.mark.stage_e]
 
@@ -281,7 +283,8 @@ class CompressedFromWindowOrigin(FlashAttentionESm100):
     """Wrong: compressed tile n loaded at the window's key map (origin + n T)."""
 
     @cute.jit
-    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, sources, dst, barrier):
+        tma_atom_c, _ = sources
         if tile < span.n_cmp:
             cute.copy(tma_atom_c, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
         else:
@@ -292,7 +295,8 @@ class WindowNotShifted(FlashAttentionESm100):
     """Wrong: window tile n taken as K's tile n (not n - n_cmp)."""
 
     @cute.jit
-    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, sources, dst, barrier):
+        tma_atom_c, tCgC = sources
         if tile < span.n_cmp:
             cute.copy(tma_atom_c, tCgC[None, tile, kb], dst, tma_bar_ptr=barrier)
         else:
@@ -301,7 +305,7 @@ class WindowNotShifted(FlashAttentionESm100):
 
 def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: int = 1, b: int = 1, **options):
     """{(tile, kb): (atom, first coordinate of the box)} through the kernel's ``load_k_block`` (cute.copy
-    recorded, not issued), on views from ``kv_tma_views`` / ``compressed_tma_view`` over TMA atoms
+    recorded, not issued), on views from ``kv_tma_views`` / ``entry_sources`` over TMA atoms
     built as ``__call__`` builds them from [batch, seqlen, kv_heads, head_dim] K and compressed
     tensors. TMA coordinates run (column, key or entry, kv head, batch). Also the span."""
     from cutlass.cute.nvgpu import cpasync, tcgen05
@@ -330,10 +334,10 @@ def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: i
         smem = cute.make_ptr(BF16, 1024, cute.AddressSpace.smem, assumed_align=1024)
         sK = cute.make_tensor(cute.recast_ptr(smem, k_ring.inner), k_ring.outer)
         sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
-        span = kernel.kv_span(*span_args)
+        span = seam_calls.span(kernel, *span_args)
         _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
-        _, _, c_row0, _, _ = kernel.request_entries(b, b, tma_c, None, None, None, None)
-        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b, c_row0)
+        req = kernel.request_entries(b, b, EntryOperands(atom_c, tma_c, span_args[5], None, 0, None, None), Lengths())
+        sources = kernel.entry_sources(qk, req, sK, hk, b)
         names = {id(atom_k): "k", id(atom_c): "c"}
         got = {}
         real_copy = cute.copy
@@ -349,7 +353,7 @@ def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: i
             for n in range(span.n_tiles):
                 for kb in range(plan.blocks):
                     current = (n, kb)
-                    load_k_block(kernel, span, n, kb, atom_k, tKgK, atom_c, tCgC, sK[None, None, None, 0], None)
+                    load_k_block(kernel, span, n, kb, atom_k, tKgK, sources, sK[None, None, None, 0], None)
         finally:
             cute.copy = real_copy
         return got, (span.origin, span.n_tiles, span.n_cmp)
@@ -406,7 +410,7 @@ def build_topk_mask_runner(kernel):
     @cute.jit
     def host(out: cute.Tensor, coords: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32,
              rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32, n_compressed: Int32):
-        span = kernel.kv_span(m_blk, rows, seqlen_k, left, right, ratio, n_compressed, topk)
+        span = seam_calls.span(kernel, m_blk, rows, seqlen_k, left, right, ratio, n_compressed, topk)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -668,7 +672,7 @@ def gathered_rows(head_dim: int, options: dict, case: dict, cls=FlashAttentionES
     @cute.jit
     def host(out: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, m_blk: Int32, rows: Int32, seqlen_k: Int32,
              ratio: Int32, n_compressed: Int32, row0: Int32):
-        span = kernel.kv_span(m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk)
+        span = seam_calls.span(kernel, m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk)
         record(span, row0, out, info)
 
     topk = topk_lists(sq, k, entries, case.get("seed", 0))
@@ -718,10 +722,8 @@ class VarlenEntriesOfRequestZero(FlashAttentionESm100):
     """Wrong: a variable-length request's entries read from the packed tensor's first row (request
     0's entries) instead of its own."""
 
-    def request_entries(self, request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
-        mC, n_compressed, _, topk, positions = super().request_entries(request, b, mC, mTopk, mPositions,
-                                                                       mCuSeqlensQ, mCuSeqlensC)
-        return mC, n_compressed, Int32(0), topk, positions
+    def request_entries(self, request, b, entries, lengths):
+        return super().request_entries(request, b, entries, lengths)._replace(c_row0=Int32(0))
 
 
 # the last request has no entry and starts at the tensor's end: its masked positions gather the last row
@@ -755,9 +757,10 @@ def varlen_gathered_rows(case: dict, cls=FlashAttentionESm100):
     def host(out: cute.Tensor, info: cute.Tensor, topk: cute.Tensor, cu_q: cute.Tensor, cu_c: cute.Tensor,
              rows_2d: cute.Tensor, request: Int32, m_blk: Int32, rows: Int32, seqlen_k: Int32, ratio: Int32):
         # rows_2d: the gather view's (entries, columns) extent (what the kernel's atom view spans)
-        _, n_compressed, c_row0, topk_r, _ = kernel.request_entries(request, 0, rows_2d, topk, None, cu_q, cu_c)
-        span = kernel.kv_span(m_blk, rows, seqlen_k, 127, 0, ratio, n_compressed, topk_r)
-        record(span, c_row0, out, info)
+        req = kernel.request_entries(request, 0, EntryOperands(None, rows_2d, ratio, topk, 0, None, cu_c),
+                                     Lengths(None, cu_q, None, 0))
+        span = kernel.kv_span(m_blk, rows, seqlen_k, Window(127, 0), req)
+        record(span, req.c_row0, out, info)
 
     out, info = torch.zeros(max_tiles, tile_n, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     rows_2d = torch.zeros(int(cu_c[-1]), 1, dtype=torch.int32)
@@ -800,9 +803,9 @@ def test_varlen_gather_checker_rejects_request_zeros_entries():
 class GatherColumnsOfHeadZero(FlashAttentionESm100):
     """Wrong: the gather's columns not shifted to kv head hk's head_dim slice."""
 
-    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b, c_row0):
-        gC, _, row0 = super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
-        return gC, 0, row0
+    def entry_sources(self, qk_mma, entries, sK, hk, b):
+        atom, (gC, _, row0) = super().entry_sources(qk_mma, entries, sK, hk, b)
+        return atom, (gC, 0, row0)
 
 
 def topk_gather_copies(head_dim: int, options: dict, cls=FlashAttentionESm100, hk: int = 1, b: int = 1):
@@ -840,10 +843,11 @@ def topk_gather_copies(head_dim: int, options: dict, cls=FlashAttentionESm100, h
         smem = cute.make_ptr(BF16, 1024, cute.AddressSpace.smem, assumed_align=1024)
         sK = cute.make_tensor(cute.recast_ptr(smem, k_ring.inner), k_ring.outer)
         sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
-        _, n_c, c_row0, topk_b, _ = kernel.request_entries(b, b, tma_c, topk, None, None, None)
-        span = kernel.kv_span(1, SQ * kernel.pack_group, S, 127, 0, 4, n_c, topk_b)
+        req = kernel.request_entries(b, b, EntryOperands(atom_c, tma_c, 4, topk, 0, None, None), Lengths())
+        span = kernel.kv_span(1, SQ * kernel.pack_group, S, Window(127, 0), req)
         _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
-        tCgC = kernel.compressed_tma_view(qk, atom_c, tma_c, sK, hk, b, c_row0)
+        sources = kernel.entry_sources(qk, req, sK, hk, b)
+        tCgC = sources[1]
         _, tKsK = cpasync.tma_partition(atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
                                         cute.group_modes(qk.get_slice(0).partition_B(
                                             cute.local_tile(tma_k[None, None, 0, 0], (plan.tile_n, plan.d_block),
@@ -891,7 +895,7 @@ def topk_gather_copies(head_dim: int, options: dict, cls=FlashAttentionESm100, h
                         for g in range(plan.tile_n // 4):
                             gather_group(kernel, span, n, g, tCgC[2], views, atom_c, None)
                     else:
-                        load_k_block(kernel, span, n, kb, atom_k, tKgK, atom_c, tCgC, tKsK[None, 0], None)
+                        load_k_block(kernel, span, n, kb, atom_k, tKgK, sources, tKsK[None, 0], None)
         finally:
             cute.copy = real_copy
             del kernel.gather_rows
@@ -934,9 +938,9 @@ def test_topk_gather_checker_rejects_wrong_columns():
 def test_seams():
     from dsv4_attention import stages
 
-    for stage in ("d1", "d2", "d3", "d4", "d5"):
+    for stage in ("d1", "d2", "d3", "d4", "d5"):  # the entries seam is E's: the others return nothing
         k = stages.get(stage).module.make_kernel("sm100", torch.bfloat16, 512, kv_shared=True)
-        assert not k.has_compressed
+        assert not hasattr(k, "has_compressed") and k.entry_operands(None, None, None, None) is None
     plain = make_kernel(512, kv_shared=True, pack_group=128)  # stage E without entries is stage D5
     assert not plain.has_compressed and not plain.masks_inner_tiles()
     e = make_kernel(128, kv_shared=True, has_compressed=True)
@@ -1052,7 +1056,7 @@ def build_row_map_runner(kernel):
                         q_src[tag0 + r, 0] = crd[1]
                         q_src[tag0 + r, 1] = crd[2]
                     # the span's list: (its first entry, the list's length) of the token the tile gathers
-                    span = kernel.kv_span(m_blk, n_rows, seqlen_k, 127, 0, 4, 300, topk[b, None, None])
+                    span = seam_calls.span(kernel, m_blk, n_rows, seqlen_k, 127, 0, 4, 300, topk[b, None, None])
                     span_list[b, h, bx] = span.idx_row[0]
                     for t in cutlass.range(EPI_THREADS, unroll=1):  # the correction threads
                         thr = tiled_o_load.get_slice(t)

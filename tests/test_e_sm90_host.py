@@ -58,6 +58,16 @@ class FloorTSpan(FusedSpan):
             kv_span.KvSpan.mask(self, acc, tScS, n, first_row)
 
 
+def fused_span(kernel, m_block, rows, seqlen_k, left, right, ratio, n_c, topk, kv_start=0, positions=None):
+    """The kernel's ``kv_span`` for a tile of a request with ``n_c`` entries (its seams' bundles:
+    common/seams.Window and what ``request_entries`` gives, stages/e_fused/sm90.RequestEntries)."""
+    from dsv4_attention.common.seams import Window
+    from dsv4_attention.stages.e_fused.sm90 import RequestEntries
+
+    return kernel.kv_span(m_block, rows, seqlen_k, Window(left, right),
+                          RequestEntries(None, None, None, n_c, topk, positions, ratio, kv_start))
+
+
 def kernel_class(wrong: str | None):
     from dsv4_attention.stages.e_fused.sm90 import FlashAttentionESm90
 
@@ -65,9 +75,9 @@ def kernel_class(wrong: str | None):
         return FlashAttentionESm90
     if wrong == "floor_t":
         class FloorT(FlashAttentionESm90):
-            def kv_span(self, m_block, rows, seqlen_k, left, right, ratio, n_c, mTopk, kv_start=0, positions=None):
-                return FloorTSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, left, right,
-                                  self.has_left, self.has_right, ratio, n_c)
+            def kv_span(self, m_block, rows, seqlen_k, window, entries):
+                return FloorTSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window.left,
+                                  window.right, self.has_left, self.has_right, entries.ratio, entries.count)
 
             def mask_s(self, span, acc_s, tScS, n, first_row, first):
                 span.mask(acc_s, tScS, n, first_row)  # every visit: only the count is wrong
@@ -104,7 +114,7 @@ def runner(name: str, window: bool, wrong: str | None = None, positions: bool = 
         pos_row = None
         if cutlass.const_expr(positions):
             pos_row = pos
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, None, kv_start, pos_row)
+        span = fused_span(kernel, m_block, rows, seqlen_k, left, right, ratio, n_c, None, kv_start, pos_row)
         info[0] = span.origin
         info[1] = span.n_tiles
         info[2] = span.n_cmp
@@ -352,7 +362,7 @@ def topk_runner(name: str, wrong: str | None = None, index_mode: bool = False):
              idx: cute.Tensor, m_block: Int32, rows: Int32, seqlen_k: Int32, left: Int32, right: Int32, ratio: Int32,
              n_c: Int32, kv_start: Int32):
         qk_mma, _ = kernel.make_mmas()
-        span = kernel.kv_span(m_block, rows, seqlen_k, left, right, ratio, n_c, idx, kv_start)
+        span = fused_span(kernel, m_block, rows, seqlen_k, left, right, ratio, n_c, idx, kv_start)
         span.stage_lists(lists, kernel.slots)  # as the kernel does: the masks read the staged SMEM copy
         info[0] = span.origin
         info[1] = span.n_tiles

@@ -41,8 +41,9 @@ def fake_cuda(t: torch.Tensor, offset_bytes: int = 0):
 
 def attention_args(d, *, kv_shared=True, heads=8, kv_heads=1, compressed=False, topk=False, seqused=False,
                    varlen=False, sink=False, left=None, right=None, kv_start=0):
-    """A call's argument list as ``interface.attention_forward`` builds it (+ MASK_ARGS)."""
-    from dsv4_attention.common import interface, jit
+    """A call's argument list as ``interface.masked_attention_forward`` builds it (+ the seams'
+    bundles, common/seams.py)."""
+    from dsv4_attention.common import jit, seams
 
     b, sq, sk = (1, 37, 37) if varlen else (2, 5, 300)
     q = torch.empty(b, sq, heads, d, dtype=torch.bfloat16)
@@ -50,11 +51,12 @@ def attention_args(d, *, kv_shared=True, heads=8, kv_heads=1, compressed=False, 
     v = k if kv_shared else torch.empty_like(k)
     lse = torch.empty(b, heads, sq)
     cu = torch.tensor([0, 17, 37], dtype=torch.int32) if varlen else None
-    extra = interface.mask_args(torch.full((b,), 100, dtype=torch.int32) if seqused else None, left, right, cu, cu,
-                                20 if varlen else 0, torch.zeros(heads) if sink else None,
-                                torch.empty(b, 40, kv_heads, d, dtype=torch.bfloat16) if compressed else None,
-                                4 if compressed else None,
-                                torch.zeros(b, sq, 70, dtype=torch.int32) if topk else None, kv_start)
+    extra = seams.tail(seams.Lengths(torch.full((b,), 100, dtype=torch.int32) if seqused else None, cu, cu,
+                                     20 if varlen else 0),
+                       seams.Window(left or 0, right or 0), torch.zeros(heads) if sink else None,
+                       seams.Entries(torch.empty(b, 40, kv_heads, d, dtype=torch.bfloat16) if compressed else None,
+                                     4 if compressed else 0,
+                                     torch.zeros(b, sq, 70, dtype=torch.int32) if topk else None, kv_start))
     return [q, k, v, torch.empty_like(q), lse, 0.1, jit.STREAM, *extra]
 
 
@@ -91,7 +93,8 @@ def call(fn, args, patch=None):
     """Call with the tensors claiming cuda:0; returns the error text (there is always one here)."""
     from dsv4_attention.common import jit
 
-    values = [fake_cuda(a) if isinstance(a, torch.Tensor) else a for a in jit.call_args(args)]
+    values = [jit.map_leaves(lambda a: fake_cuda(a) if isinstance(a, torch.Tensor) else a, a)
+              for a in jit.call_args(args)]
     if patch is not None:
         patch(values)
     with pytest.raises(Exception) as e:  # noqa: PT011 - the wrapper's own error types
@@ -116,8 +119,12 @@ def test_wrapper_refuses_what_the_kernel_was_not_compiled_for():
 
     wrong_dtype = lambda v: v.__setitem__(0, fake_cuda(torch.empty(2, 5, 8, 512, dtype=torch.float16)))  # noqa: E731
     assert not accepted(call(fn, args, wrong_dtype))
-    i = jit.call_args(args).index(None)  # seqused_k: compiled as None
-    not_none = lambda v: v.__setitem__(i, fake_cuda(torch.zeros(2, dtype=torch.int32)))  # noqa: E731
+    # a bundle's field is checked too: the compressed entries in the wrong dtype
+    wrong_entries = lambda v: v.__setitem__(9, v[9]._replace(  # noqa: E731
+        compressed=fake_cuda(torch.empty(2, 40, 1, 512, dtype=torch.float16))))
+    assert not accepted(call(fn, args, wrong_entries))
+    assert jit.call_args(args)[6].seqused_k is None  # D3's Lengths: seqused_k compiled as None
+    not_none = lambda v: v.__setitem__(6, v[6]._replace(seqused_k=fake_cuda(torch.zeros(2, dtype=torch.int32))))  # noqa: E731
     assert not accepted(call(fn, args, not_none))
     misaligned = lambda v: v.__setitem__(0, fake_cuda(torch.empty(2 * 5 * 8 * 512 + 8, dtype=torch.bfloat16)[1:]  # noqa: E731
                                                       .view(-1)[: 2 * 5 * 8 * 512].view(2, 5, 8, 512)))

@@ -3,6 +3,7 @@
     python -m tools.ptx_compare --out new.json                 # this tree's kernels
     (cd /tmp/old && python -m tools.ptx_compare --out old.json) # a worktree of the old commit
     python -m tools.ptx_compare --diff old.json new.json        # which configurations differ
+    ... --params                                                 # kernel parameters renumbered
 
 Without a GPU: each configuration is compiled for its architecture (file cache off) and its PTX
 kept; ``.loc`` / ``.file`` lines (source positions, which move with any edit above them) are
@@ -22,6 +23,22 @@ import sys
 import tempfile
 
 _DEBUG = re.compile(r"^\s*\.(loc|file)\b.*$", re.M)
+_PARAM_DECL = re.compile(r"^[ \t]*\.param\b[^\n]*_param_\d+[^\n]*\n", re.M)
+_PARAM_REF = re.compile(r"\b\w+_param_(\d+)\b")
+
+
+def normalize(ptx: str) -> str:
+    """The PTX without what does not reach the SASS's instructions: ``.loc`` / ``.file`` lines, the
+    kernel's parameter declarations, and its parameter names, renumbered in order of first use
+    (``--params``). So a change that only adds or drops unused kernel parameters, or passes the
+    same values in another order, hashes equal; a load of another type or offset does not."""
+    ptx = _DEBUG.sub("", ptx)
+    if os.environ.get("PTX_COMPARE_PARAMS") != "1":
+        return ptx
+    ptx = _PARAM_DECL.sub("", ptx)
+    seen: dict = {}
+    return _PARAM_REF.sub(lambda m: f"param_{seen.setdefault(m.group(0), len(seen))}", ptx)
+
 
 
 def _sm90_budget_cases() -> list:
@@ -79,7 +96,7 @@ def ptx_hash(config) -> tuple:
     with tempfile.TemporaryDirectory() as d, target_arch(arch):
         ptx = jit.compile_ptx(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, d)
     name = f"{arch} {stage_id} {dtype_name} hd{head_dim} {json.dumps(options, sort_keys=True)}"
-    return name, hashlib.sha256(_DEBUG.sub("", ptx).encode()).hexdigest()
+    return name, hashlib.sha256(normalize(ptx).encode()).hexdigest()
 
 
 def main(argv=None) -> int:
@@ -88,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--diff", nargs=2)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--wide", action="store_true", help="also the sm90 compile-budget tests' configurations")
+    ap.add_argument("--params", action="store_true", help="renumber kernel parameters by first use (normalize)")
     a = ap.parse_args(argv)
     if a.diff:
         old, new = (json.load(open(p)) for p in a.diff)
@@ -101,6 +119,7 @@ def main(argv=None) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
+    os.environ["PTX_COMPARE_PARAMS"] = "1" if a.params else "0"
     configs = configurations(a.wide)
     with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         hashes = dict(pool.map(ptx_hash, configs))

@@ -2,8 +2,15 @@
 
 Method (see the device notes): warm up, then time each launch with a pair of
 CUDA events and report the median; rotate among several input sets whose
-total size exceeds L2 so repeated launches do not read a warm cache; count
-FLOPs by formula (2 per multiply-add of each GEMM), never from the profiler.
+total size is at least twice the GPU's L2 (its own figure) so repeated launches
+do not read a warm cache; count FLOPs by formula (2 per multiply-add of each
+GEMM), never from the profiler. Why not the libraries' timers:
+``cutlass.testing.benchmark`` rotates workspaces as this does, but times the
+whole loop with one pair of events (a mean over back-to-back launches, whose
+tails overlap); ``triton.testing.do_bench`` times one input set, flushing L2
+with a memset before each launch. The reports compare the median of
+per-launch events over rotated real inputs (CUDA-graph replay, where host time
+must go: tools/bench_decode.py).
 
 Peers are measured in the same process, on the same inputs:
 - ``matmul``: torch.matmul (cuBLAS) in the inputs' dtype;
@@ -20,12 +27,20 @@ import statistics
 
 import torch
 
-L2_BYTES = 64 << 20  # above H100 (50 MB) and H200 (60 MB) L2
+#: the L2 size assumed without a GPU to ask (above H100's 50 MB and H200's 60 MB)
+L2_FALLBACK_BYTES = 64 << 20
+
+
+def l2_bytes() -> int:
+    """The current GPU's L2 cache size (the device's own figure), or ``L2_FALLBACK_BYTES``."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
+    return L2_FALLBACK_BYTES
 
 
 def rotation_count(bytes_per_set: int, minimum: int = 2, maximum: int = 16) -> int:
-    """How many input sets to rotate among so that together they exceed L2."""
-    n = -(-2 * L2_BYTES // max(bytes_per_set, 1))
+    """How many input sets to rotate among so that together they are at least twice L2."""
+    n = -(-2 * l2_bytes() // max(bytes_per_set, 1))
     return max(minimum, min(maximum, n))
 
 

@@ -70,7 +70,8 @@ def aligned(*tensors) -> bool:
 
 class Plan:
     """The compiled function with its arguments: slots 0-4 are q, k, v, o, lse; ``slots`` maps
-    each further argument position to an index into the call's extra tensors."""
+    each further argument's place, (position, field: None or its index in a bundle of
+    common/seams.py), to an index into the call's extra tensors."""
 
     __slots__ = ("fn", "tail", "slots", "lse_shape", "device")
 
@@ -83,8 +84,13 @@ class Plan:
         tail = self.tail
         if self.slots:
             tail = list(tail)
-            for pos, i in self.slots:
-                tail[pos] = extra[i]
+            for pos, field, i in self.slots:
+                if field is None:
+                    tail[pos] = extra[i]
+                else:  # a bundle's field: a new bundle (the plan's own stays as recorded)
+                    values = list(tail[pos])
+                    values[field] = extra[i]
+                    tail[pos] = type(tail[pos])._make(values)
         self.fn(q, k, v, o, lse, *tail)
         return o, lse
 
@@ -149,14 +155,25 @@ def record(key, fn, args: list, extra: tuple) -> None:
     if key is None:
         return
     tail, slots = [], []
-    for pos, a in enumerate(jit.call_args(args)[5:]):
-        if isinstance(a, torch.Tensor):
-            i = next((i for i, t in enumerate(extra) if t is a), None)
-            if i is None:
-                return  # a tensor made by this call (or not the caller's): not replayable
-            slots.append((pos, i))
-            a = None
-        tail.append(a)
+
+    def slot(a, pos, field):  # a tensor's slot (None: not the caller's), else the value as is
+        if not isinstance(a, torch.Tensor):
+            return a
+        i = next((i for i, t in enumerate(extra) if t is a), None)
+        if i is None:
+            raise LookupError
+        slots.append((pos, field, i))
+        return None
+
+    try:
+        for pos, a in enumerate(jit.call_args(args)[5:]):
+            if isinstance(a, tuple):
+                a = type(a)._make([slot(x, pos, f) for f, x in enumerate(a)])
+            else:
+                a = slot(a, pos, None)
+            tail.append(a)
+    except LookupError:
+        return  # a tensor made by this call (or not the caller's): not replayable
     if len(_PLANS) >= LIMIT:
         _PLANS.clear()
     _PLANS[key] = _last.plan = Plan(fn, tail, tuple(slots), tuple(args[4].shape), args[0].device)

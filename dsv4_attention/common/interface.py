@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from dsv4_attention.common import call_plan, jit
+from dsv4_attention.common import call_plan, jit, seams
 from dsv4_attention.common.arch import arch_of_device
 from dsv4_attention.common.autograd import refuse_grad
 from dsv4_attention.common.validation import check_out, check_qkv, check_scale
@@ -32,28 +32,29 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                            split_kv: bool = False, **_):
     """CPU arguments of an attention kernel for the kernel options given, as a call passes them
     (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
-    tensor as K and V) and the trailing MASK_ARGS of stage D1's kernel and those built on it
+    tensor as K and V) and the trailing seam bundles of stage D1's kernel and those built on it
     (``plain``: a kernel without them, stages B and C)."""
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype)
     k = torch.empty(2, seqlen_k, 2, head_dim, dtype=dtype)
     lse = torch.empty(2, 4, 300, dtype=torch.float32)
     v = k if kv_shared else k.clone()
     args = [q, k, v, q.clone(), lse, 0.125 * LOG2E, jit.STREAM]
-    if not plain:  # stage D1's kernel on: MASK_ARGS (optional tensors may be None, integers are always given)
+    if not plain:  # stage D1's kernel on: its seams' bundles (common/seams.py)
         cu = torch.zeros(3, dtype=torch.int32) if varlen else None
-        args += [torch.empty(2, dtype=torch.int32) if seqused_k else None,
-                 127 if has_left else 0, 0, cu, cu, 300 if varlen else 0,
-                 torch.zeros(4, dtype=torch.float32) if has_sink else None,
-                 torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
-                 4 if has_compressed else 0,
-                 torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
-                 torch.zeros(2, 300, dtype=torch.int32) if has_positions else None,
-                 cu if varlen and has_compressed else None]
+        parts = None
         if split_kv:  # two splits of each batch entry: partial O and LSE at batch index s B + b
-            args += [torch.empty(4, 300, 4, head_dim, dtype=torch.float32),
-                     torch.empty(4, 4, 300, dtype=torch.float32), 2]
-        else:
-            args += [None, None, 0]
+            parts = seams.SplitParts(torch.empty(4, 300, 4, head_dim, dtype=torch.float32),
+                                     torch.empty(4, 4, 300, dtype=torch.float32), 2)
+        args += seams.tail(
+            seams.Lengths(torch.empty(2, dtype=torch.int32) if seqused_k else None, cu, cu, 300 if varlen else 0),
+            seams.Window(127 if has_left else 0, 0),
+            torch.zeros(4, dtype=torch.float32) if has_sink else None,
+            seams.Entries(torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
+                          4 if has_compressed else 0,
+                          torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
+                          torch.zeros(2, 300, dtype=torch.int32) if has_positions else None,
+                          cu if varlen and has_compressed else None),
+            parts)
     return args
 
 
@@ -160,40 +161,17 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
     return e, ms, bench.tflops(flops(batch, seqlen_q, seqlen_k, heads, head_dim), ms)
 
 
-#: the trailing arguments of stage D1's kernel (after the stream), which later stages use:
-#: seqused_k (D3), window_left, window_right (D4), cu_seqlens_q, cu_seqlens_k, max_seqlen_q (D3
-#: varlen), learnable_sink (D5), compressed_kv, compress_ratio, topk_indices, kv_start, positions,
-#: cu_seqlens_compressed (E), o_partial, lse_partial, num_splits (split-KV, common/split_kv.py). Unused tensors
-#: go as None, unused integers as 0: the kernel compiles them out, and an exported C signature
-#: (common/kernel_cache.py)
-#: has no optional integers.
-MASK_ARGS = ("seqused_k", "window_left", "window_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-             "learnable_sink", "compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions",
-             "cu_seqlens_compressed", "o_partial", "lse_partial", "num_splits")
-
-
-def mask_args(seqused_k=None, left=None, right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None, kv_start=0,
-              positions=None, cu_seqlens_compressed=None, partials=None):
-    """MASK_ARGS as kernel arguments: tensors or None, integers (never None: an int32 slot).
-    ``partials``: split-KV's (o_partial, lse_partial, num_splits), or None."""
-    o_part, lse_part, splits = (None, None, 0) if partials is None else partials
-    return [seqused_k, int(0 if left is None else left), int(0 if right is None else right), cu_seqlens_q,
-            cu_seqlens_k, int(max_seqlen_q), learnable_sink, compressed_kv,
-            int(0 if compress_ratio is None else compress_ratio), topk_indices, int(kv_start), positions,
-            cu_seqlens_compressed, o_part, lse_part, int(splits)]
-
-
 def no_mask_args():
-    """The trailing kernel arguments of stage D1's kernel for a call without lengths or window."""
-    return mask_args()
+    """The trailing kernel operands of stage D1's kernel for a call without lengths or window
+    (common/seams.py: every bundle in its unused form)."""
+    return seams.tail()
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskedCall:
     """A call of the masked stages (D2-E), resolved: every check done, what the kernel is compiled
     for and called with. ``options``: the compile-time options (sorted pairs); ``tail``: the
-    kernel's MASK_ARGS; ``partials``: split-KV's fp32 partial buffers (None: one unit a Q tile),
+    kernel's seam bundles (common/seams.py); ``partials``: split-KV's fp32 partial buffers (None: one unit a Q tile),
     merged into O and LSE with ``merge_sink`` after the launch."""
 
     arch: str
@@ -430,17 +408,18 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
                                             q.device)
     elif learnable_sink is not None:
         options["has_sink"] = True
+    ent = seams.Entries(entries[0], int(entries[1] or 0), entries[2], int(kv_start or 0), position_rows,
+                        None if varlen is None or entries[0] is None else varlen.cu_compressed)
     if varlen is None:
-        tail = mask_args(seqused_k, left, right, learnable_sink=learnable_sink if splits == 1 else None,
-                         compressed_kv=entries[0], compress_ratio=entries[1], topk_indices=entries[2],
-                         kv_start=kv_start, positions=position_rows,
-                         partials=None if partials is None else (*partials, splits))
+        lengths = seams.Lengths(seqused_k)
+        sink = learnable_sink if splits == 1 else None
     else:
         options["varlen"] = True
-        tail = mask_args(None, left, right, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q,
-                         learnable_sink, entries[0], entries[1], entries[2], positions=position_rows,
-                         cu_seqlens_compressed=None if entries[0] is None else varlen.cu_compressed)
-    return MaskedCall(arch, scale, tuple(sorted(options.items())), tuple(tail), splits, partials,
+        lengths = seams.Lengths(None, varlen.cu_seqlens_q, varlen.cu_seqlens_k, int(varlen.max_seqlen_q))
+        sink = learnable_sink
+    tail = seams.tail(lengths, seams.Window(int(left or 0), int(right or 0)), sink, ent,
+                      None if partials is None else seams.SplitParts(*partials, splits))
+    return MaskedCall(arch, scale, tuple(sorted(options.items())), tail, splits, partials,
                       learnable_sink if splits > 1 else None)
 
 

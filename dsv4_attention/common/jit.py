@@ -4,7 +4,8 @@ A stage builds its kernel's arguments once per call, as plain values in the kern
 torch tensors, ``None`` for an optional tensor the call does not use, Python floats and ints
 for the scalars, and ``STREAM`` where the kernel takes its CUDA stream. From that one list,
 
-- the compiled function is called with the list minus ``STREAM``: torch tensors go in as they
+- the compiled function is called with the list minus ``STREAM`` (a tuple argument, one of
+  common/seams.py's bundles, goes in field by field): torch tensors go in as they
   are (DLPack, no per-call CuTe tensor objects), the stream is torch's current stream on the
   tensors' device (TVM-FFI's environment stream: CUDA graphs capture it), and the function's own
   wrapper checks every tensor's dtype, rank, device, 16-byte alignment and int32 dimensions
@@ -107,7 +108,16 @@ def compile_args(args) -> list:
             return cutlass.Int32(a)
         return a  # already a DSL value
 
-    return [one(a) for a in args]
+    return [map_leaves(one, a) for a in args]
+
+
+def map_leaves(fn, a):
+    """``fn`` applied to ``a``, or to each field of a tuple argument (common/seams.py's bundles,
+    kept as their NamedTuple type)."""
+    if isinstance(a, tuple):
+        values = [map_leaves(fn, x) for x in a]
+        return type(a)._make(values) if hasattr(a, "_fields") else tuple(values)
+    return fn(a)
 
 
 def compile_kernel(kernel, args, arch: str, extra_options: str = ""):

@@ -12,7 +12,7 @@ a unit of the persistent loop), mixed into the kernels that use them:
                      (split-KV), the head, the batch entry: a token's Q tiles and splits run side
                      by side on the same KV rows
 
-The kernel class sets ``split_kv`` and ``longest_first`` (compile-time).
+The kernel class sets ``split_kv`` (compile-time); D4's causal kernels set ``longest_first``.
 """
 
 import cutlass
@@ -21,6 +21,8 @@ import cutlass.cute as cute
 
 class TileScheduler:
     """Tile order (module doc) for a kernel class with ``split_kv`` and ``longest_first``."""
+
+    longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
 
     @cute.jit
     def grid_tile(self):

@@ -116,9 +116,13 @@ def configurations(calls, arch: str, refused: list | None = None) -> list:
     for stage_id, kernels, arch_, dtype, head_dim, args, options in _recorded:
         key = jit.config_key(stage_id, arch_, dtype, head_dim, options)
         # the compile reads a tensor's dtype and rank only: a one-element stand-in travels to the worker
-        args = [torch.empty((1,) * a.dim(), dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+        args = [jit.map_leaves(_stand_in, a) for a in args]
         found.setdefault(key, (key, stage_id, kernels, dtype, head_dim, args, options))
     return list(found.values())
+
+
+def _stand_in(a):
+    return torch.empty((1,) * a.dim(), dtype=a.dtype) if isinstance(a, torch.Tensor) else a
 
 
 def _compile_one(config, arch):

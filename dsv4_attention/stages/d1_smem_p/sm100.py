@@ -77,17 +77,19 @@ Seams for later stages (class attributes and methods, defaults: one row per toke
     kv_span          the Q tile's keys (common/kv_span.py: ``origin``, ``n_tiles``), the same for both
                      O halves of a tile: the TMA warp offsets K's key mode (V's: its second mode) by
                      origin, the MMA, softmax and correction warps iterate n_tiles.
-    has_left/right   D4: window bounds. The softmax thread of row t computes its keys [lo, hi) once
+    window           D4 (common/seams.Window; its ``kv_span`` and ``masks_inner_tiles``): the softmax
+                     thread of row t computes its keys [lo, hi) once
                      (``common.sm100_softmax.visible_keys``) and per visit masks the keys past hi
                      and before lo, each only where it cuts the tile (without bounds: the first
-                     visit's seqlen_k tail only).
+                     visit's seqlen_k tail only); causal reverses the tile order (``q_tile_of``).
     may_hide_rows    D3, D4: a row may see no key: its max stays -inf, exp2 subtracts 0 instead, its
                      rescale factor is 1 and the correction writes O = 0 (1 / l := 0), LSE = -inf.
                      Compiled in only then.
-    longest_first    D4 causal: Q tiles scheduled last tile first (``q_tile_of``).
-    has_compressed   E: a second K = V source (its own TMA atom, K's box) whose tiles come first in
-                     the span's index space: the TMA warp picks each tile's source (``load_k_block``,
-                     ``compressed_tma_view``), the softmax its columns (``row_keys``, ``tile_columns``).
+    entries          E (common/seams.Entries): a second K = V source (its own TMA atom, K's box) whose
+                     tiles come first in the span's index space: ``entry_operands`` builds its atom,
+                     ``request_entries`` its per-request views, ``entry_sources`` the TMA warp's
+                     partitions, ``load_k_block`` picks each tile's source; the softmax its columns
+                     (``row_keys``, ``tile_columns``).
     owned_rows       E top-k with 64 heads: a tile owns 64 rows (``padded``): tile m starts at packed
                      row 64 m (``q_tile``, grid, ``o_tile``), rows 64 .. 127 are padding, taken as row
                      r % 64 by every per-row decision (``packed_row``) and never stored (``row_stored``,
@@ -176,7 +178,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from dsv4_attention.common.kv_span import KvSpan, positions_row
+from dsv4_attention.common.kv_span import KvSpan
 from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.sm100_correction import (
@@ -277,22 +279,11 @@ class FlashAttentionD1Sm100:
         mLSE: cute.Tensor,
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
-        mSeqUsedK: cute.Tensor | None = None,
-        window_left: cutlass.Int32 = None,
-        window_right: cutlass.Int32 = None,
-        mCuSeqlensQ: cute.Tensor | None = None,
-        mCuSeqlensK: cute.Tensor | None = None,
-        max_seqlen_q: cutlass.Int32 = None,
-        mSink: cute.Tensor | None = None,
-        mCompressed: cute.Tensor | None = None,
-        compress_ratio: cutlass.Int32 = None,
-        mTopk: cute.Tensor | None = None,
-        kv_start: cutlass.Int32 = None,
-        mPositions: cute.Tensor | None = None,
-        mCuSeqlensC: cute.Tensor | None = None,
-        mOPartial: cute.Tensor | None = None,  # split-KV's partial outputs: sm90 only, refused on the
-        mLSEPartial: cute.Tensor | None = None,  # host before a split call reaches this kernel
-        num_splits: cutlass.Int32 = None,
+        lengths: tuple,  # the later stages' seams (common/seams.py): D3's Lengths,
+        window: tuple,  # D4's Window,
+        mSink: cute.Tensor | None,  # D5's sink,
+        entries: tuple,  # E's Entries,
+        partials: tuple,  # split-KV's SplitParts: sm90 only, refused on the host before a split call gets here
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
         plan = self.plan
@@ -336,11 +327,7 @@ class FlashAttentionD1Sm100:
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), o, cute.select(o_smem, mode=[0, 1]), (QK_TILE_M, plan.o_cols)
         )
-        # stage E's compressed entries: a second K = V source whose blocks land in the same ring
-        # stages, so the same box as K's (K's atom and view stand in where unused, compiled out)
-        tma_atom_c, tma_c = tma_atom_k, tma_k
-        if const_expr(self.has_compressed):
-            tma_atom_c, tma_c = self.compressed_tma_atom(op, mCompressed, k_ring, qk_mma, mTopk)
+        entries = self.entry_operands(entries, op, k_ring, qk_mma)
 
         fields = {
             "q_mbar": cute.struct.MemRange[Int64, 2],
@@ -361,7 +348,7 @@ class FlashAttentionD1Sm100:
         self.shared_storage = SharedStorage
 
         if const_expr(self.varlen):  # the tiles of the longest request x heads x requests
-            grid = (self.varlen_grid_x(max_seqlen_q), q.shape[2], mCuSeqlensQ.shape[0] - 1)
+            grid = (self.varlen_grid_x(lengths.max_seqlen_q), q.shape[2], lengths.cu_seqlens_q.shape[0] - 1)
         else:
             grid = (cute.ceil_div(rows(q), self.owned_rows) * plan.o_split, q.shape[2], q.shape[3])
         # varlen: O's memory as well, for the row-by-row store of the tile that straddles a request's end
@@ -369,22 +356,11 @@ class FlashAttentionD1Sm100:
         o_mem = with_row_vectors(o) if const_expr(self.varlen or self.padded()) else None
         self.kernel(
             qk_mma, pv_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, o_mem,
-            lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, mSeqUsedK, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mSink, tma_atom_c, tma_c, compress_ratio, mTopk, kv_start,
-            mPositions, mCuSeqlensC,
+            lse, scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, lengths, window, mSink, entries,
         ).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
-
-    def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
-        """Stage E: (atom, TMA view) of the compressed entries, K's box into the same ring stages
-        (top-k overrides it with a gather; ``mTopk`` [batch, seqlen_q, k] or None)."""
-        plan = self.plan
-        return cute.nvgpu.make_tiled_tma_atom_B(
-            op, seq_major(mCompressed), cute.select(k_ring, mode=[0, 1, 2]), (QK_TILE_M, plan.tile_n, plan.d_block),
-            qk_mma,
-        )
 
     def row_scale(self, inv_row_sum, lse, mSink, q_row, h):
         """The seam of the epilogue's per-row scale: this thread's row's 1 / rowsum, which
@@ -402,9 +378,6 @@ class FlashAttentionD1Sm100:
     pack_group = 1  # D2: query heads folded into a row tile
     uses_seqused_k = False  # D3: per-request key counts
     varlen = False  # D3: requests packed along the tokens (cu_seqlens_q / cu_seqlens_k)
-    has_left = has_right = False  # D4: window bounds (causal: right = 0)
-    longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
-    has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
     #: packed rows a Q tile owns, and the step between Q tiles' first rows. QK_TILE_M but for E's top-k
     #: with 64 heads (a padded tile, ``padded``): tile m holds packed rows m * 64 .. m * 64 + 127, owns
     #: rows 0 .. 63 (its token's heads) and stores only those
@@ -437,13 +410,9 @@ class FlashAttentionD1Sm100:
 
     def q_tile_of(self, bx, grid_x):
         """(m_blk, half): the Q tile of CTA ``bx`` and which o_cols-wide part of O it owns. Both
-        halves (o_split) of a Q tile get the same m_blk, hence the same span; longest_first
-        (causal) reverses the tile order so the tiles with the most keys start first."""
-        m_blk = bx // self.plan.o_split
-        half = bx % self.plan.o_split
-        if self.longest_first:
-            m_blk = grid_x // self.plan.o_split - 1 - m_blk
-        return m_blk, half
+        halves (o_split) of a Q tile get the same m_blk, hence the same span (D4's causal kernels
+        reverse the order)."""
+        return bx // self.plan.o_split, bx % self.plan.o_split
 
     def kv_length(self, mSeqUsedK, batch, seqlen_k):
         """The keys of request ``batch`` (D3: seqused_k[batch])."""
@@ -459,30 +428,35 @@ class FlashAttentionD1Sm100:
         ``batch`` is a batch entry of the tensors."""
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
-    def request_entries(self, request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
-        """The seam where stage E's compressed entries meet D3's variable-length batches: (mC,
-        n_compressed, c_row0, topk, positions) = the compressed TMA view to index with batch
-        coordinate b, the request's entry count, its first entry as a row of every batch's entries
-        (b * entries), its (seqlen_q, k) top-k lists (or None) and its query tokens' absolute
-        positions (or None). Here a request is a batch entry of the tensors."""
-        topk = None
-        if const_expr(mTopk is not None):
-            topk = mTopk[b, None, None]
-        return mC, mC.shape[0], b * mC.shape[0], topk, positions_row(mPositions, b)
+    def kv_span(self, m_block, rows, seqlen_k, window, entries) -> KvSpan:
+        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py):
+        here every key of the request, masked past ``seqlen_k`` only. D4 bounds it by ``window``
+        (common/seams.Window); E adds its entries in front (``entries``: what its
+        ``request_entries`` gave for the CTA's request; None here)."""
+        return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, 0, 0, False, False)
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0,
-                n_compressed=0, mTopk=None, kv_start=0, positions=None) -> KvSpan:
-        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py; stage
-        E adds compressed tiles in front, common/compressed.py: ``n_compressed`` entries, ratio
-        ``compress_ratio``, top-k: ``mTopk`` the request's (seqlen_q, k) lists or None, ``kv_start`` the
-        absolute position of raw key 0; ``positions`` the request's query tokens' absolute positions
-        or None for bottom-right alignment)."""
-        return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
-                      window_right, self.has_left, self.has_right, positions, kv_start)
+    # the entries seam (E: a second K = V source in the same softmax); nothing here
+
+    def entry_operands(self, entries, load_op, k_ring, qk_mma):
+        """Host side (traced in ``__call__``): the kernel's operand for the ``entries`` bundle
+        (common/seams.Entries), or None where the stage has no second source."""
+        return None
+
+    def request_entries(self, request, b, entries, lengths):
+        """The entries of request ``request`` (batch coordinate ``b``; ``lengths``: D3's bundle),
+        as ``kv_span`` and ``entry_sources`` take them."""
+        return None
+
+    def prefetch_entries(self, entries):
+        """The TMA warp, with the CTA's descriptors: the entries' descriptors."""
+
+    def entry_sources(self, qk_mma, entries, sK, hk, b):
+        """What ``load_k_block`` takes besides K's views to load a block (None: K's tiles only)."""
+        return None
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
-        return self.uses_seqused_k or self.varlen or self.has_left or self.has_right
+        return self.uses_seqused_k or self.varlen
 
     def varlen_grid_x(self, max_seqlen_q):
         """Grid x of a variable-length batch: the Q tiles (x o_split) of its longest request."""
@@ -536,8 +510,8 @@ class FlashAttentionD1Sm100:
         return q_row < n_rows
 
     def masks_inner_tiles(self) -> bool:
-        """Whether tiles after the first visited one can straddle a boundary (window edges)."""
-        return self.has_left or self.has_right
+        """Whether tiles after the first visited one can straddle a boundary (D4's window edges)."""
+        return False
 
     # /////////////////////////////////////////////////////////////////////////////////////
     #  device entry: barriers, SMEM views, warp roles
@@ -563,32 +537,19 @@ class FlashAttentionD1Sm100:
         v_ring: cute.ComposedLayout,
         p_smem: cute.ComposedLayout,
         o_smem: cute.ComposedLayout,
-        mSeqUsedK: cute.Tensor | None,  # (batch,) int32: D3's per-request key counts
-        window_left: Int32 | None,  # D4's window bounds
-        window_right: Int32 | None,
-        mCuSeqlensQ: cute.Tensor | None,  # D3 varlen: (requests + 1,) int32 offsets of each request's
-        mCuSeqlensK: cute.Tensor | None,  # tokens and keys
-        max_seqlen_q: Int32 | None,  # D3 varlen: the longest request's queries (sized the grid)
+        lengths: tuple,  # D3's Lengths (common/seams.py)
+        window: tuple,  # D4's Window
         mSink: cute.Tensor | None,  # D5: (heads,) fp32 attention sink
-        tma_atom_c: cute.CopyAtom,  # E: the compressed entries' atom (K's where unused)
-        mC: cute.Tensor,  # E: TMA view (entries, head_dim, kv_heads, batch); K's where unused
-        compress_ratio: Int32 | None,  # E: entry j is visible to position t' iff j < (t' + 1) // ratio
-        mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of entries, -1 padded
-        kv_start: Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
-        mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
-        mCuSeqlensC: cute.Tensor | None,  # E varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1] of mC
+        entries,  # E's operands (``entry_operands``), or None
     ):
         bx, h, request = cute.arch.block_idx()
         m_blk, half = self.q_tile_of(bx, cute.arch.grid_dim()[0])
         hk = h // (mQ.shape[2] // mK.shape[2])  # GQA: `heads // kv_heads` query heads share a KV head
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
-            request, mQ, mK, mV, mO, mO_mem, mLSE, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK)
-        mC, n_compressed, c_row0, topk_b, positions_b = self.request_entries(
-            request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
+            request, mQ, mK, mV, mO, mO_mem, mLSE, lengths.seqused_k, lengths.cu_seqlens_q, lengths.cu_seqlens_k)
         args = (qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
-                scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-                n_rows, seqlen_k, mSink, tma_atom_c, mC, n_compressed, c_row0, compress_ratio, topk_b, kv_start,
-                positions_b)
+                scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window, m_blk, half, h, hk, b, n_rows, seqlen_k,
+                mSink, self.request_entries(request, b, entries, lengths))
         if const_expr(self.varlen):
             # the grid spans the longest request: a tile past its request's rows loads and stores
             # nothing (uniform per CTA: no thread reaches a barrier)
@@ -600,19 +561,18 @@ class FlashAttentionD1Sm100:
     @cute.jit
     def tile(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO, mO_mem, mLSE,
-        scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window_left, window_right, m_blk, half, h, hk, b,
-        n_rows, seqlen_k, mSink, tma_atom_c, mC, n_compressed, c_row0, compress_ratio, topk_b, kv_start,
-        positions_b,
+        scale_log2, q_smem, k_ring, v_ring, p_smem, o_smem, window, m_blk, half, h, hk, b, n_rows, seqlen_k, mSink,
+        entries,
     ):  # fmt: skip
         """One CTA's work: Q tile m_blk (O half ``half``) of head h (KV head hk) of request b, on the
-        request's views (``request_views``: n_rows packed rows, seqlen_k keys)."""
+        request's views (``request_views``: n_rows packed rows, seqlen_k keys; ``entries``: the
+        request's, ``request_entries``)."""
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         # the Q tile's keys: KV tile n holds keys span.origin + n * tile_n ..; both O halves of a
         # Q tile (o_split) compute the same span from the same m_blk
-        span = self.kv_span(m_blk, n_rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, topk_b,
-                            kv_start, positions_b)
+        span = self.kv_span(m_blk, n_rows, seqlen_k, window, entries)
         n_tiles = span.n_tiles
 
         if warp_idx == self.tma_warp:
@@ -621,8 +581,7 @@ class FlashAttentionD1Sm100:
             if const_expr(not self.kv_shared):
                 cpasync.prefetch_descriptor(tma_atom_v)
             cpasync.prefetch_descriptor(tma_atom_o)
-            if const_expr(self.has_compressed):
-                cpasync.prefetch_descriptor(tma_atom_c)
+            self.prefetch_entries(entries)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
 
@@ -660,7 +619,7 @@ class FlashAttentionD1Sm100:
         if warp_idx == self.tma_warp:
             self.load(
                 qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC, c_row0,
+                sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, entries,
             )  # fmt: skip
 
         if warp_idx == self.mma_warp:
@@ -688,7 +647,7 @@ class FlashAttentionD1Sm100:
     @cute.jit
     def load(
         self, qk_mma, pv_mma, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
-        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, tma_atom_c, mC, c_row0,
+        sQ, sK, sV, q_producer, ring_producer, m_blk, half, h, hk, b, span, entries,
     ):  # fmt: skip
         plan = self.plan
         n_tiles = span.n_tiles
@@ -699,7 +658,7 @@ class FlashAttentionD1Sm100:
         )  # fmt: skip
         tKsK, tKgK, tVsV, tVgV = self.kv_tma_views(qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b,
                                                    span.origin)
-        tCgC = self.compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
+        sources = self.entry_sources(qk_mma, entries, sK, hk, b)
 
         stage = q_producer.acquire_and_advance()
         cute.copy(tma_atom_q, tQgQ[None, q_index], tQsQ[None, 0], tma_bar_ptr=stage.barrier)
@@ -708,8 +667,7 @@ class FlashAttentionD1Sm100:
             tile = n_tiles - 1 - it
             for kb in cutlass.range_constexpr(plan.blocks):  # ring uses it * U + kb
                 stage = ring_producer.acquire_and_advance()
-                self.load_k_block(span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, tKsK[None, stage.index],
-                                  stage.barrier)
+                self.load_k_block(span, tile, kb, tma_atom_k, tKgK, sources, tKsK[None, stage.index], stage.barrier)
             if const_expr(not self.kv_shared):  # K != V: never with compressed entries (K = V rows)
                 for vb in cutlass.range_constexpr(plan.v_blocks):  # ring uses it * U + blocks + vb
                     stage = ring_producer.acquire_and_advance()
@@ -720,25 +678,11 @@ class FlashAttentionD1Sm100:
         ring_producer.tail()
 
     @cute.jit
-    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
-        """K block kb of KV tile ``tile`` of the span -> ring stage ``dst``. The seam of stage E, whose
-        tiles below span.n_cmp come from the compressed entries (``tCgC``); here every tile is K's."""
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, sources, dst, barrier):
+        """K block kb of KV tile ``tile`` of the span -> ring stage ``dst``. The seam of a second
+        source (``sources``: what ``entry_sources`` gave; E's tiles below span.n_cmp are its
+        entries); here every tile is K's."""
         cute.copy(tma_atom_k, tKgK[None, tile, kb], dst, tma_bar_ptr=barrier)
-
-    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b, c_row0):
-        """Stage E: tCgC[None, n, kb] is K block kb of compressed tile n, a (tile_n, d_block) box of
-        (entries, head_dim) at entry n * tile_n (no origin: entries are not windowed; past the tensor
-        zero-filled, and masked); the same box and ring stages as K's. None where unused. ``c_row0``:
-        the request's first entry as a row of the entries of every batch (``request_entries``; top-k)."""
-        if not self.has_compressed:
-            return None
-        plan = self.plan
-        gC = cute.local_tile(mC[None, None, hk, b], (plan.tile_n, plan.d_block), (None, None))
-        _, tCgC = cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
-            cute.group_modes(qk_mma.get_slice(0).partition_B(gC), 0, 3),
-        )  # fmt: skip
-        return tCgC
 
     def kv_tma_views(self, qk_mma, pv_mma, tma_atom_k, mK, tma_atom_v, mV, sK, sV, hk, b, origin):
         """The ring's TMA partitions: tKgK[None, tile, kb] is K block kb of KV tile ``tile``, a

@@ -133,11 +133,12 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from dsv4_attention.common.compile import SMEM_LIMIT
-from dsv4_attention.common.kv_span import KvSpan, positions_row
+from dsv4_attention.common.kv_span import KvSpan
 from dsv4_attention.common.layouts import check_attention_operands, seq_major
 from dsv4_attention.common.p_staging import convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.persistent import grid_ctas
+from dsv4_attention.common.seams import SplitParts
 from dsv4_attention.common.sm90_barriers import (
     RoundHandoff,
     Sm90FwdBarrier,
@@ -168,14 +169,10 @@ from dsv4_attention.common.tile_scheduler import TileScheduler
 from dsv4_attention.common.tiles import ROWS_TILES, SPLIT_FROM, SPLIT_TILE, split_columns, uses_seesaw
 from dsv4_attention.stages.d1_smem_p.sm90_operands import (
     ConsumerOperands,
-    Entries,
     GlobalTensors,
-    Lengths,
     SharedViews,
-    SplitParts,
     TileRequest,
     TileViews,
-    Window,
 )
 from dsv4_attention.stages.d1_smem_p.sm90_rows import RowSplitSchedule
 from dsv4_attention.stages.d1_smem_p.sm90_seesaw import SeesawSchedule
@@ -290,27 +287,18 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         mLSE: cute.Tensor,
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
-        mSeqUsedK: cute.Tensor | None = None,
-        window_left: cutlass.Int32 = None,
-        window_right: cutlass.Int32 = None,
-        mCuSeqlensQ: cute.Tensor | None = None,
-        mCuSeqlensK: cute.Tensor | None = None,
-        max_seqlen_q: cutlass.Int32 = None,
-        mSink: cute.Tensor | None = None,
-        mCompressed: cute.Tensor | None = None,
-        compress_ratio: cutlass.Int32 = None,
-        mTopk: cute.Tensor | None = None,
-        kv_start: cutlass.Int32 = None,
-        mPositions: cute.Tensor | None = None,
-        mCuSeqlensC: cute.Tensor | None = None,
-        mOPartial: cute.Tensor | None = None,
-        mLSEPartial: cute.Tensor | None = None,
-        num_splits: cutlass.Int32 = None,
+        lengths: tuple,  # the later stages' seams (common/seams.py): D3's Lengths,
+        window: tuple,  # D4's Window,
+        mSink: cute.Tensor | None,  # D5's sink,
+        entries: tuple,  # E's Entries,
+        partials: tuple,  # split-KV's SplitParts
     ):
         check_attention_operands(self.dtype, mQ, mK, mV, mO, mLSE)
+        parts = SplitParts(None, None, None)
         if cutlass.const_expr(self.split_kv):  # split s of batch entry b at batch index s B + b
-            mOPartial = seq_major(mOPartial)
-            _, mOPartial, mLSEPartial = self.row_views(mOPartial, mOPartial, mLSEPartial)
+            mOPartial = seq_major(partials.o)
+            _, mOPartial, mLSEPartial = self.row_views(mOPartial, mOPartial, partials.lse)
+            parts = SplitParts(mOPartial, mLSEPartial, partials.num_splits)
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
         mQ, mO, mLSE = self.row_views(mQ, mO, mLSE)
 
@@ -323,6 +311,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         sP_layout = self.p_smem_layout()
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_q, tma_q = make_tma_tile_atom(load, mQ, sQ_layout, self.tile_m, d)
+        chunk_layout = None
         if cutlass.const_expr(self.kv_shared):  # (tile_n, 64) chunks, one barrier each
             chunk_layout = make_tile_smem_layout(self.dtype, self.tile_n, CHUNK_COLS, 1)
             tma_atom_k, tma_k = make_tma_tile_atom(load, mK, chunk_layout, self.tile_n, CHUNK_COLS)
@@ -336,13 +325,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sP_layout, WGMMA_M, CHUNK_COLS)
         else:  # O over sQ, one box
             tma_atom_o, tma_o = make_tma_tile_atom(store, mO, sQ_layout, self.tile_m, d)
-        # the fused stage's compressed entries: a second K = V source, the same chunked boxes (a
-        # placeholder copy of K's atom where unused, compiled out)
-        tma_atom_c, tma_c, mC_mem = tma_atom_k, tma_k, mO
-        if cutlass.const_expr(self.has_compressed):
-            mC_mem = seq_major(mCompressed)  # its memory: top-k rows are gathered by address
-            tma_atom_c, tma_c = make_tma_tile_atom(load, seq_major(mCompressed), chunk_layout, self.tile_n,
-                                                   CHUNK_COLS)
+        entries = self.entry_operands(entries, load, chunk_layout)
         # K = V: KvChunkRing's full (slot x chunk) and empty (slot) barriers; else the K and
         # V pipelines' full + empty barriers
         if cutlass.const_expr(self.kv_shared):
@@ -352,7 +335,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         sV_t = smem_buffer(self.dtype, cute.cosize(sKV_layout), not self.kv_shared)
         sP_t = smem_buffer(self.dtype, cute.cosize(sP_layout), self.p_in_smem)
         stats_t = smem_buffer(cutlass.Float32, 2 * 2 * WGMMA_M, self.col_split)
-        lists_t = smem_buffer(cutlass.Int32, self.tile_n * self.slots, self.has_topk)
+        words_t = smem_buffer(cutlass.Int32, self.stage_words(), self.stage_words() > 0)
 
         @cute.struct
         class SharedStorage:
@@ -368,7 +351,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
             sV: sV_t
             sP: sP_t
-            lists: lists_t  # E top-k: each ring slot's tile of the token's list (tile_n, slots) int32
+            stage_words: words_t  # int32 words a later stage asks for (``stage_words``)
 
         self.shared_storage = SharedStorage
         if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
@@ -376,11 +359,12 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
 
         m_tiles, batches = cute.ceil_div(rows(mQ), self.tile_m), mQ.shape[3]
         if cutlass.const_expr(self.varlen):  # tiles of the longest request x heads x requests
-            m_tiles, batches = cute.ceil_div(max_seqlen_q * self.pack_group, self.tile_m), mCuSeqlensQ.shape[0] - 1
+            m_tiles = cute.ceil_div(lengths.max_seqlen_q * self.pack_group, self.tile_m)
+            batches = lengths.cu_seqlens_q.shape[0] - 1
         grid = (m_tiles, mQ.shape[2], batches)
         n_tiles = m_tiles * mQ.shape[2] * batches
         if cutlass.const_expr(self.split_kv):  # a unit per (Q tile, split)
-            n_tiles = n_tiles * num_splits
+            n_tiles = n_tiles * partials.num_splits
         if cutlass.const_expr(self.persistent):  # common/persistent.py: at most one CTA per SM, looping
             grid = (cutlass.min(n_tiles, self.ctas), 1, 1)
         self.kernel(
@@ -388,9 +372,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mO,
             mLSE, scale_log2,
             sQ_layout, sKV_layout, sVt_layout, sP_layout,
-            mSeqUsedK, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSink, tma_atom_c, tma_c, compress_ratio,
-            mTopk, mC_mem, kv_start, mPositions, mCuSeqlensC, m_tiles, n_tiles, mOPartial, mLSEPartial,
-            num_splits if cutlass.const_expr(self.split_kv) else None,
+            lengths, window, mSink, entries, parts, m_tiles, n_tiles,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -401,34 +383,29 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
     # ---- seams: what later stages change (defaults: one row per token, every key visible) ----
     pack_group = 1  # D2: query heads folded into a row tile
     uses_seqused_k = False  # D3: per-request key counts
-    has_left = has_right = False  # D4: window bounds (causal: right = 0)
-    longest_first = False  # D4 causal: launch the Q tiles that see the most keys first
     varlen = False  # D3: requests packed along the tokens (cu_seqlens)
-    has_compressed = False  # E: compressed entries, a second K = V source in the same softmax
-    has_topk = False  # E: the compressed tiles are gathered list positions; SMEM keeps each slot's list
-    producer_warps = 1  # warps of the producer warpgroup that load (E top-k: 4, gathering rows)
-    full_arrivals = 1  # arrivals that complete a chunk's full barrier (E top-k: every producer thread)
+    producer_warps = 1  # warps of the producer warpgroup that load (a gathering source: all four)
+    full_arrivals = 1  # arrivals that complete a chunk's full barrier (a gathering source: every producer thread)
+    lanes_read_slot = False  # every producer lane reads the slot's chunks (a gathering source)
 
     def kv_length(self, mSeqUsedK, batch, seqlen_k):
         """The keys of request ``batch`` (D3: seqused_k[batch])."""
         return seqlen_k
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                mTopk, kv_start=0, positions=None) -> KvSpan:
-        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py;
-        the fused stage adds compressed tiles in front, common/compressed.py, whose visibility
-        counts absolute positions from ``kv_start``; ``positions``: the request's query tokens'
-        absolute positions, or None for bottom-right alignment)."""
-        return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left, window_right,
-                      self.has_left, self.has_right, positions, kv_start)
+    def kv_span(self, m_block, rows, seqlen_k, window, entries) -> KvSpan:
+        """Which keys Q tile ``m_block`` visits and how its tiles are masked (common/kv_span.py):
+        here every key of the request, masked past ``seqlen_k`` only. D4 bounds it by ``window``
+        (common/seams.Window); E adds its entries in front (``entries``: what its
+        ``request_entries`` gave for the tile's request; None here)."""
+        return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, 0, 0, False, False)
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
-        return self.uses_seqused_k or self.has_left or self.has_right or self.varlen
+        return self.uses_seqused_k or self.varlen
 
     def masks_inner_tiles(self) -> bool:
-        """Whether tiles after the first visited one can straddle a boundary (window edges)."""
-        return self.has_left or self.has_right
+        """Whether tiles after the first visited one can straddle a boundary (D4's window edges)."""
+        return False
 
     def row_views(self, mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
         """The seam where later stages change what a Q row is: (Q, O, LSE) as the kernel
@@ -448,15 +425,39 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         batch entry of the tensors (b = batch)."""
         return mQ, mK, mV, mO, mO_mem, mLSE, batch, rows(mQ), self.kv_length(mSeqUsedK, batch, mK.shape[0])
 
-    def request_entries(self, request, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
-        """The seam where stage E's compressed entries meet D3's variable-length batches: (mC, mC_mem,
-        n_compressed, topk, positions) = the compressed views to index with batch coordinate b, the
-        request's entry count, its (seqlen_q, k) top-k lists (or None) and its query tokens' absolute
-        positions (or None). Here a request is a batch entry of the tensors."""
-        topk = None
-        if cutlass.const_expr(mTopk is not None):
-            topk = mTopk[b, None, None]
-        return mC, mC_mem, mC.shape[0], topk, positions_row(mPositions, b)
+    # the entries seam (E: a second K = V source in the same softmax); nothing here
+
+    def entry_operands(self, entries, load_op, chunk_layout):
+        """Host side (traced in ``__call__``): the kernel's operand for the ``entries`` bundle
+        (common/seams.Entries), or None where the stage has no second source."""
+        return None
+
+    def stage_words(self) -> int:
+        """int32 words of shared memory a later stage asks for (E top-k: each ring slot's list)."""
+        return 0
+
+    def stage_words_view(self, words):
+        """The view of the ``stage_words`` the later stage works with (None here)."""
+        return None
+
+    def prefetch_entries(self, entries):
+        """Warp 0, with the CTA's TMA descriptors: the entries' descriptors."""
+
+    def request_entries(self, request, b, entries, lengths):
+        """The entries of request ``request`` (batch coordinate ``b``; ``lengths``: D3's bundle),
+        as ``kv_span`` and ``entry_views`` take them."""
+        return None
+
+    def entry_views(self, req: "TileRequest", head_kv, b):
+        """The entries' global views of a tile's (kv head, request), for the producer."""
+        return None
+
+    def stage_span(self, span, smem: "SharedViews", uses_before):
+        """A tile's span meets the CTA's SMEM (E top-k: its list tiles follow the ring slots)."""
+
+    def entry_sources(self, smem: "SharedViews", tile: "TileViews", warp_idx):
+        """What ``load_kv`` takes besides K's TMA views to load a tile (None: K's tiles only)."""
+        return None
 
     @cute.kernel
     def kernel(
@@ -479,32 +480,17 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         sKV_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
-        mSeqUsedK: cute.Tensor | None,
-        window_left: cutlass.Int32 | None,
-        window_right: cutlass.Int32 | None,
-        mCuSeqlensQ: cute.Tensor | None,
-        mCuSeqlensK: cute.Tensor | None,
-        mSink: cute.Tensor | None,
-        tma_atom_c: cute.CopyAtom,
-        mC: cute.Tensor,  # compressed entries (seqlen_c, head_dim, kv_heads, batch); K's view where unused
-        compress_ratio: cutlass.Int32 | None,
-        mTopk: cute.Tensor | None,  # E top-k: (batch, seqlen_q, k) int32 lists of compressed entries
-        mC_mem: cute.Tensor,  # the compressed entries' memory (seqlen_c, d, kv_heads, batch); O's where unused
-        kv_start: cutlass.Int32 | None,  # E: the absolute position of raw key 0 (compressed visibility)
-        mPositions: cute.Tensor | None,  # E: (batch or 1, seqlen_q) int32 query tokens' absolute positions
-        mCuSeqlensC: cute.Tensor | None,  # E varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1] of mC
+        lengths: tuple,  # D3's Lengths (common/seams.py)
+        window: tuple,  # D4's Window
+        mSink: cute.Tensor | None,  # D5's sink
+        entries,  # E's operands (``entry_operands``), or None
+        partials: SplitParts,  # split-KV: (rows, d, heads, splits x batch) fp32 O, (splits x batch, heads, rows) LSE
         m_tiles: cutlass.Int32,  # Q tiles per (head, batch entry) of the launch (varlen: the longest request's)
         n_tiles: cutlass.Int32,  # m_tiles x heads x batch entries (x splits): the persistent loop's units
-        mOPartial: cute.Tensor | None,  # split-KV: (rows, d, heads, splits x batch) fp32 partial O
-        mLSEPartial: cute.Tensor | None,  # split-KV: (splits x batch, heads, rows) fp32 partial LSE
-        num_splits: cutlass.Int32 | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tensors = GlobalTensors(mQ, mK, mV, mO, mO_mem, mLSE, Lengths(mSeqUsedK, mCuSeqlensQ, mCuSeqlensK),
-                                Window(window_left, window_right),
-                                Entries(mC, mC_mem, compress_ratio, mTopk, kv_start, mPositions, mCuSeqlensC),
-                                SplitParts(mOPartial, mLSEPartial, num_splits))
-        atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c)
+        tensors = GlobalTensors(mQ, mK, mV, mO, mO_mem, mLSE, lengths, window, entries, partials)
+        atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o)
         layouts = (sQ_layout, sKV_layout, sVt_layout, sP_layout)
         mmas = (qk_mma, pv_mma, pv_own_mma)
         if cutlass.const_expr(self.persistent):
@@ -514,7 +500,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             req = self.tile_request(head, batch, tensors)
             # a tile past its request's rows (varlen: the grid spans the longest request) has no work
             if m_block * self.tile_m < req.n_rows:
-                self.prefetch_descriptors(atoms, warp_idx)
+                self.prefetch_descriptors(atoms, tensors.entries, warp_idx)
                 smem = self.shared_views(layouts, warp_idx)
                 tile = self.tile_views(m_block, head, req, tensors, smem, 0)
                 if warp_idx < 4:
@@ -527,16 +513,15 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
                     self.consume(c, smem.ring, smem.pipeline_v, tile.n_blocks)  # the seesaw is persistent
 
     @cute.jit
-    def prefetch_descriptors(self, atoms, warp_idx):
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, tma_atom_c = atoms
+    def prefetch_descriptors(self, atoms, entries, warp_idx):
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o = atoms
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_o)
             if cutlass.const_expr(not self.kv_shared):
                 cpasync.prefetch_descriptor(tma_atom_v)
-            if cutlass.const_expr(self.has_compressed):
-                cpasync.prefetch_descriptor(tma_atom_c)
+            self.prefetch_entries(entries)
 
     @cute.jit
     def shared_views(self, layouts, warp_idx) -> "SharedViews":
@@ -561,7 +546,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             chunks = self.head_dim // CHUNK_COLS
             ring = KvChunkRing(storage.k_bars.data_ptr(), storage.v_bars.data_ptr(), self.slots, chunks,
                                tile_bytes // chunks, self.consumer_threads // 32, self.full_arrivals,
-                               lanes_read_slot=self.has_topk,
+                               lanes_read_slot=self.lanes_read_slot,
                                halves=self.seesaw_halves() if self.seesaw else None,
                                r_chunk=self.o_col1 // CHUNK_COLS)
             pipeline_v = None
@@ -588,44 +573,38 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             sVt=v_buf.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner),
             sP=storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),
             row_stats=storage.row_stats.get_tensor(cute.make_layout((WGMMA_M, 2, 2))),  # (row, warpgroup, max|sum)
-            lists=storage.lists.get_tensor(cute.make_layout((self.tile_n, self.slots))),
+            stage_words=self.stage_words_view(storage.stage_words),
             ring_base=storage.sK.data_ptr(),
         )
 
     @cute.jit
     def tile_request(self, head, batch, tensors) -> "TileRequest":
         """The request of a tile's (head, batch entry): its views and lengths (the D3 and E seams)."""
-        g, lengths, e = tensors, tensors.lengths, tensors.entries
+        g, lengths = tensors, tensors.lengths
         head_kv = head // (g.mQ.shape[2] // g.mK.shape[2])
         mQ, mK, mV, mO, mO_mem, mLSE, b, n_rows, seqlen_k = self.request_views(
             batch, g.mQ, g.mK, g.mV, g.mO, g.mO_mem, g.mLSE, lengths.seqused_k, lengths.cu_seqlens_q,
             lengths.cu_seqlens_k)
-        mC, mC_mem, n_compressed, topk_b, positions_b = self.request_entries(
-            batch, b, e.mC, e.mC_mem, e.mTopk, e.mPositions, lengths.cu_seqlens_q, e.mCuSeqlensC)
         return TileRequest(mQ=mQ, mK=mK, mV=mV, mO=mO, mO_mem=mO_mem, mLSE=mLSE, b=b, n_rows=n_rows,
-                           seqlen_k=seqlen_k, head_kv=head_kv, mC=mC, mC_mem=mC_mem, n_compressed=n_compressed,
-                           topk=topk_b, positions=positions_b)
+                           seqlen_k=seqlen_k, head_kv=head_kv,
+                           entries=self.request_entries(batch, b, g.entries, lengths))
 
     @cute.jit
     def tile_views(self, m_block, head, req: "TileRequest", tensors, smem: "SharedViews", uses_before,
                    kv_part=None) -> "TileViews":
-        """Q tile ``m_block`` of (head, req): its key span (ring uses from ``uses_before``: a top-k span's
-        staged lists follow the ring's slots) and the global views its loads and stores cut.
-        split-KV: the span's visits are split ``split``'s (common/split_kv.py), its O and LSE go to
-        the partial buffers at batch index split B + b."""
-        window, entries = tensors.window, tensors.entries
+        """Q tile ``m_block`` of (head, req): its key span (ring uses from ``uses_before``) and the
+        global views its loads and stores cut. split-KV: the span's visits are part ``kv_part``'s
+        (common/split_kv.py), its O and LSE go to the partial buffers at batch index kv_part B + b."""
         d, b, head_kv = self.head_dim, req.b, req.head_kv
-        span = self.kv_span(m_block, req.n_rows, req.seqlen_k, window.left, window.right, entries.ratio,
-                            req.n_compressed, req.topk, entries.kv_start, req.positions)
+        span = self.kv_span(m_block, req.n_rows, req.seqlen_k, tensors.window, req.entries)
         n_blocks = span.n_tiles
         o_part = None
         if cutlass.const_expr(self.split_kv):
-            mOp, mLSEp, num_splits = tensors.partials.mO, tensors.partials.mLSE, tensors.partials.num_splits
+            mOp, mLSEp, num_splits = tensors.partials.o, tensors.partials.lse, tensors.partials.num_splits
             span.n_end, n_blocks = split_visits(span.n_tiles, kv_part, num_splits)
             pb = kv_part * (mOp.shape[3] // num_splits) + b
             o_part = (cute.local_tile(mOp[None, None, head, pb], (self.tile_m, d), (None, 0)), mLSEp, pb)
-        if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
-            span.stage_lists(smem.lists, self.slots, uses_before)
+        self.stage_span(span, smem, uses_before)
         # KV tiles are cut from the span's first key (any row: TMA boxes start anywhere)
         mK_hb = cute.domain_offset((span.origin, 0), req.mK[None, None, head_kv, b])
         mV_hb = cute.domain_offset((span.origin, 0), req.mV[None, None, head_kv, b])
@@ -637,8 +616,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             mK_hb=mK_hb,
             gK=cute.local_tile(mK_hb, (self.tile_n, d), (None, 0)),
             gV=cute.local_tile(mV_hb, (self.tile_n, d), (None, 0)),
-            mC_hb=req.mC[None, None, head_kv, b],
-            mC_mem_hb=req.mC_mem[None, None, head_kv, b],
+            entries=self.entry_views(req, head_kv, b),
             o_part=o_part,
         )
 
@@ -664,7 +642,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         stage C, then V[0]. Rows past seqlen are zero-filled by TMA. The persistent seesaw's
         ring uses start at ``uses_before``, and ``tiles_before`` counts the CTA's earlier tiles (Q waits for the
         previous tile's epilogue to free sQ)."""
-        tma_atom_q, tma_atom_k, tma_atom_v, _, tma_atom_c = atoms
+        tma_atom_q, tma_atom_k, tma_atom_v, _ = atoms
         n_blocks, m_block, span = tile.n_blocks, tile.m_block, tile.span
         tQsQ, tQgQ = tile_tma_partition(tma_atom_q, smem.sQ, tile.gQ)
         q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8
@@ -673,11 +651,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
             ring = smem.ring
             n_last = n_blocks - 1
             tKsK, tKgK = chunk_views(tma_atom_k, tile.mK_hb, smem.sK, self.tile_n)
-            tCgC = None
-            if cutlass.const_expr(self.has_compressed):
-                _, tCgC = chunk_views(tma_atom_c, tile.mC_hb, smem.sK, self.tile_n)
-            gather = (smem.ring_base, tile.mC_mem_hb, warp_idx)
-            srcs = (span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather)
+            srcs = (span, tma_atom_k, tKgK, tKsK, self.entry_sources(smem, tile, warp_idx))
             if cutlass.const_expr(self.seesaw):
                 self.load_pairs(ring, n_blocks, srcs, q_load, warp_idx, uses_before, tiles_before, smem.q_empty)
             else:
@@ -743,12 +717,10 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         return False
 
     @cute.jit
-    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather,
-                half=None):
+    def load_kv(self, ring: KvChunkRing, t, n, span: KvSpan, tma_atom_k, tKgK, tKsK, sources, half=None):
         """K = V: ring use t <- KV tile n of the span (the seesaw: only its half ``half``). The seam
-        of the fused stage, whose tiles n < n_cmp come from the compressed entries (``tCgC``, or
-        rows gathered by ``gather``: (ring_base, the compressed (entries, d) view, warp)); here
-        every tile is K's."""
+        of a second source (``sources``: what ``entry_sources`` gave; E's tiles n < n_cmp are its
+        entries); here every tile is K's."""
         ring.load(t, tma_atom_k, tKgK, tKsK, n, half)
 
     # -------------------------------------------------------------------------------

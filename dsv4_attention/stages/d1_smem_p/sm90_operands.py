@@ -1,5 +1,5 @@
-"""The named bundles of stage D1's sm90 kernel: its global operands by seam (``GlobalTensors``:
-D3's ``Lengths``, D4's ``Window``, E's ``Entries``, split-KV's ``SplitParts``), a tile's request
+"""The named bundles of stage D1's sm90 kernel: its global operands by seam (``GlobalTensors``,
+with the later stages' bundles of common/seams.py as the kernel got them), a tile's request
 and views, the CTA's shared memory, and what the consumer schedules take (``ConsumerOperands``,
 the seesaw's ``SeesawOperands``). Plain dataclasses: the kernel's Python builds them while it is
 traced; none is carried through a runtime loop.
@@ -66,66 +66,31 @@ class SharedViews:
     sVt: cute.Tensor
     sP: cute.Tensor
     row_stats: cute.Tensor  # (row, warpgroup, max|sum) fp32
-    lists: cute.Tensor  # E top-k: (tile_n, slots) int32, each ring slot's tile of the list
-    ring_base: cute.Pointer  # the ring's first byte (E top-k: rows gathered by address)
-
-
-@dataclasses.dataclass
-class Lengths:
-    """D3's per-request key counts and variable-length offsets (None where unused)."""
-    seqused_k: cute.Tensor | None
-    cu_seqlens_q: cute.Tensor | None
-    cu_seqlens_k: cute.Tensor | None
-
-
-@dataclasses.dataclass
-class Window:
-    """D4's window bounds (None where unbounded: compiled out)."""
-    left: cutlass.Int32 | None
-    right: cutlass.Int32 | None
-
-
-@dataclasses.dataclass
-class Entries:
-    """E's compressed entries: their TMA view and memory, the ratio, the top-k lists, the absolute
-    position of raw key 0, the query positions, the varlen entry offsets (None where unused)."""
-    mC: cute.Tensor
-    mC_mem: cute.Tensor
-    ratio: cutlass.Int32 | None
-    mTopk: cute.Tensor | None
-    kv_start: cutlass.Int32 | None
-    mPositions: cute.Tensor | None
-    mCuSeqlensC: cute.Tensor | None
-
-
-@dataclasses.dataclass
-class SplitParts:
-    """Split-KV's partial outputs and split count (common/split_kv.py; None where unsplit)."""
-    mO: cute.Tensor | None
-    mLSE: cute.Tensor | None
-    num_splits: cutlass.Int32 | None
+    stage_words: object  # the int32 words a later stage asked for (``stage_words``)
+    ring_base: cute.Pointer  # the ring's first byte (a gathering source writes rows by address)
 
 
 @dataclasses.dataclass
 class GlobalTensors:
     """The kernel's global operands by seam: Q, K, V, O (its TMA view and memory), LSE, then the
-    bundles of the stages that use them."""
+    bundles of the stages that use them (common/seams.py; ``entries``: what the stage's
+    ``entry_operands`` made of its bundle, None in D1)."""
     mQ: cute.Tensor
     mK: cute.Tensor
     mV: cute.Tensor
     mO: cute.Tensor
     mO_mem: cute.Tensor
     mLSE: cute.Tensor
-    lengths: Lengths
-    window: Window
-    entries: Entries
-    partials: SplitParts
+    lengths: tuple
+    window: tuple
+    entries: object
+    partials: tuple
 
 
 @dataclasses.dataclass
 class TileRequest:
     """The request a tile's (head, batch entry) belongs to: views to index with batch coordinate
-    ``b``, its packed row count, key count and compressed entries (the D3 and E seams)."""
+    ``b``, its packed row count, key count and the entries seam's part of it (``request_entries``)."""
     mQ: cute.Tensor
     mK: cute.Tensor
     mV: cute.Tensor
@@ -136,11 +101,7 @@ class TileRequest:
     n_rows: cutlass.Int32
     seqlen_k: cutlass.Int32
     head_kv: cutlass.Int32
-    mC: cute.Tensor
-    mC_mem: cute.Tensor
-    n_compressed: cutlass.Int32
-    topk: cute.Tensor | None
-    positions: cute.Tensor | None
+    entries: object  # ``request_entries``'s (None in D1)
 
 
 @dataclasses.dataclass
@@ -159,6 +120,5 @@ class TileViews:
     mK_hb: cute.Tensor  # K's (seqlen, d) of the tile's (kv head, batch), from the span's first key
     gK: cute.Tensor
     gV: cute.Tensor
-    mC_hb: cute.Tensor  # the compressed entries' (seqlen_c, d) (fused stage)
-    mC_mem_hb: cute.Tensor  # their memory (E top-k gathers by address)
+    entries: object  # ``entry_views``'s (None in D1)
     o_part: tuple | None = None  # split-KV: (the fp32 partial O tiles, partial LSE, partial batch index)

@@ -48,7 +48,7 @@ class SeesawSchedule:
         pair: ceil(n_blocks / 2)). A tile past its request's rows
         (varlen: the launch spans the longest request) is skipped by every role
         alike (``tile_at``)."""
-        self.prefetch_descriptors(atoms, warp_idx)
+        self.prefetch_descriptors(atoms, tensors.entries, warp_idx)
         smem = self.shared_views(layouts, warp_idx)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

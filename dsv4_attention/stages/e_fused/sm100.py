@@ -17,10 +17,12 @@ visited last-first as before: the window's tiles (its first visit holds the diag
 compressed ones from the last (the only one a row can see partly) down to 0. Softmax thread t
 computes its row's count once per CTA beside D4's window bounds (``row_keys``); a compressed tile's
 visible columns are [0, count - n T) (``tile_columns``), masked by D4's ``mask_from`` only where
-that cuts the tile; a window tile keeps D4's bounds from its first key. Seams used, all in stage
-D1's skeleton: ``kv_span`` (the fused span), ``load_k_block`` (the TMA warp's source per tile: one
-runtime branch between two descriptors of the same box), ``compressed_tma_view``, ``row_keys``,
-``tile_columns``, ``masks_inner_tiles``; ``__call__`` builds the compressed atom (``has_compressed``).
+that cuts the tile; a window tile keeps D4's bounds from its first key. The entries arrive as
+common/seams.Entries; the hooks of stage D1's skeleton this stage fills: ``entry_operands`` (the
+compressed atom, traced in ``__call__``), ``request_entries``, ``prefetch_entries``,
+``entry_sources`` (the TMA warp's views), ``kv_span`` (the fused span), ``load_k_block`` (the TMA
+warp's source per tile: one runtime branch between two descriptors of the same box),
+``row_keys``, ``tile_columns``, ``masks_inner_tiles``.
 Host proof: tests/test_e_sm100_host.py.
 
 64 query heads with top-k lists or in index mode (DeepSeek-V4-Flash; pack_group 64, which D2 packs
@@ -31,12 +33,15 @@ two tokens a tile): one token a 128-row tile, rows 64 .. 127 padding (``owned_ro
 of (pack_group, has_topk); docs/stages/e_fused.md says what it costs and why not an M = 64 MMA.
 """
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
+from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import seq_major
 from dsv4_attention.common.sm100_kv import GATHER4_ROWS, block_rows_layout, gather_view, topk_rows
 from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
@@ -49,6 +54,32 @@ from dsv4_attention.common.sm100_softmax import (
 )
 from dsv4_attention.common.tmem import QK_TILE_M
 from dsv4_attention.stages.d5_sink_merge.sm100 import FlashAttentionD5Sm100
+
+
+class EntryOperands(NamedTuple):
+    """The kernel's form of common/seams.Entries (``entry_operands``): the entries' TMA atom and view
+    (K's box; top-k: a gather4 atom over the 2D rows), then the bundle's other fields as given."""
+    atom: Any
+    mC: Any
+    ratio: Any
+    mTopk: Any  # (batch, seqlen_q, k) int32 lists of entries, -1 padded
+    kv_start: Any  # the absolute position of raw key 0 (compressed visibility)
+    mPositions: Any  # (batch or 1, seqlen_q) int32 query tokens' absolute positions
+    mCuSeqlensC: Any  # varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1]
+
+
+class RequestEntries(NamedTuple):
+    """A request's entries (``request_entries``): the atom, the TMA view to index with batch
+    coordinate b, its entry count, its first entry as a row of every batch's entries (top-k), its
+    (seqlen_q, k) lists and query positions (or None), the ratio and kv_start."""
+    atom: Any
+    mC: Any
+    count: Any
+    c_row0: Any
+    topk: Any
+    positions: Any
+    ratio: Any
+    kv_start: Any
 
 
 class FlashAttentionESm100(FlashAttentionD5Sm100):
@@ -64,30 +95,26 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
             # rows 64 .. 127 padding (``padded``; the module doc)
             self.owned_rows = self.pack_group
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio=0, n_compressed=0,
-                mTopk=None, kv_start=0, positions=None):
-        if cutlass.const_expr(not self.has_compressed):
-            return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk, kv_start, positions)
-        # top-k: the tile's one token (a padded tile: owned_rows = pack_group rows from m_block * pack_group)
-        step = self.owned_rows
-        token = m_block * step // self.pack_group
-        if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
-            return IndexSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, n_compressed,
-                             mTopk[token, None], mTopk.shape[1])
-        if cutlass.const_expr(self.has_topk):
-            return TopkSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, window_left,
-                            window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1], kv_start, positions)
-        return FusedSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start,
-                         positions)
+    # ---- the entries seam (stage D1's hooks) ----
+
+    def entry_operands(self, entries, load_op, k_ring, qk_mma):
+        if cutlass.const_expr(not (self.has_compressed or self.has_positions)):
+            return None
+        atom = view = None
+        if cutlass.const_expr(self.has_compressed):
+            atom, view = self.compressed_tma_atom(load_op, entries.compressed, k_ring, qk_mma, entries.topk)
+        return EntryOperands(atom, view, entries.ratio, entries.topk, entries.kv_start, entries.positions,
+                             entries.cu_seqlens_c)
 
     def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
-        if not self.has_topk:
-            return super().compressed_tma_atom(op, mCompressed, k_ring, qk_mma, mTopk)
-        # top-k: a gather4 atom (4 rows a TMA instruction) over the entries as 2D rows, K's box and ring
+        """(atom, TMA view) of the compressed entries: K's box into the same ring stages; top-k: a
+        gather4 atom (4 rows a TMA instruction) over the entries as 2D rows, K's box and ring."""
         plan = self.plan
+        if not self.has_topk:
+            return cute.nvgpu.make_tiled_tma_atom_B(
+                op, seq_major(mCompressed), cute.select(k_ring, mode=[0, 1, 2]),
+                (QK_TILE_M, plan.tile_n, plan.d_block), qk_mma,
+            )  # fmt: skip
         rows_2d, index_shape = gather_view(seq_major(mCompressed), plan.tile_n)
         gI = cute.make_tensor(mTopk.iterator, cute.make_layout(index_shape, stride=(1, 0)))
         smem = cute.make_composed_layout(k_ring.inner, 0, block_rows_layout(cute.select(k_ring.outer, mode=[0, 1, 2])))
@@ -95,24 +122,70 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
                                                  (plan.tile_n, plan.d_block), gmem_coord_tensor=gI)
         return atom, view
 
-    def compressed_tma_view(self, qk_mma, tma_atom_c, mC, sK, hk, b, c_row0):
-        if not self.has_topk:
-            return super().compressed_tma_view(qk_mma, tma_atom_c, mC, sK, hk, b, c_row0)
-        # top-k: the gather view's (tile_n, d_block) boxes along the columns (kv head hk's blocks), and the
-        # first 2D row of the request (rows are (batch, entry) pairs: b * entries + entry; varlen: cu_c[b])
-        plan = self.plan
-        return cute.local_tile(mC, (plan.tile_n, plan.d_block), (0, None)), hk * plan.blocks, c_row0
+    def request_entries(self, request, b, entries, lengths):
+        if cutlass.const_expr(entries is None):
+            return None
+        e = entries
+        if cutlass.const_expr(self.varlen and self.has_compressed):
+            # top-k: the gather view stays whole (its rows are addressed from c_row0); dense: offset like K
+            view = None if cutlass.const_expr(self.has_topk) else e.mC
+            offset, _, count, topk, positions, c_row0 = varlen_entries(request, view, None, e.mTopk, e.mPositions,
+                                                                       lengths.cu_seqlens_q, e.mCuSeqlensC)
+            if cutlass.const_expr(self.has_topk):  # masked positions gather row c_row0: kept in the tensor
+                return RequestEntries(e.atom, e.mC, count, cutlass.min(c_row0, cutlass.max(e.mC.shape[0] - 1, 0)),
+                                      topk, positions, e.ratio, e.kv_start)
+            return RequestEntries(e.atom, offset, count, c_row0, topk, positions, e.ratio, e.kv_start)
+        topk = count = c_row0 = None
+        if cutlass.const_expr(e.mTopk is not None):
+            topk = e.mTopk[b, None, None]
+        if cutlass.const_expr(e.mC is not None):
+            count, c_row0 = e.mC.shape[0], b * e.mC.shape[0]
+        return RequestEntries(e.atom, e.mC, count, c_row0, topk, positions_row(e.mPositions, b), e.ratio,
+                              e.kv_start)
 
-    def request_entries(self, request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
-        if cutlass.const_expr(not (self.varlen and self.has_compressed)):
-            return super().request_entries(request, b, mC, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
-        # top-k: the gather view stays whole (its rows are addressed from c_row0); dense: offset like K
-        view = None if cutlass.const_expr(self.has_topk) else mC
-        offset, _, n_compressed, topk, positions, c_row0 = varlen_entries(request, view, None, mTopk, mPositions,
-                                                                          mCuSeqlensQ, mCuSeqlensC)
-        if cutlass.const_expr(self.has_topk):  # masked positions gather row c_row0: kept in the tensor
-            return mC, n_compressed, cutlass.min(c_row0, cutlass.max(mC.shape[0] - 1, 0)), topk, positions
-        return offset, n_compressed, c_row0, topk, positions
+    @cute.jit
+    def prefetch_entries(self, entries):
+        if cutlass.const_expr(self.has_compressed):
+            cpasync.prefetch_descriptor(entries.atom)
+
+    def entry_sources(self, qk_mma, entries, sK, hk, b):
+        """(atom, tCgC): tCgC[None, n, kb] is K block kb of compressed tile n, a (tile_n, d_block) box
+        of (entries, head_dim) at entry n * tile_n (no origin: entries are not windowed; past the
+        tensor zero-filled, and masked); the same box and ring stages as K's. Top-k: (the gather
+        view's (tile_n, d_block) boxes along the columns (kv head hk's blocks), hk's first column
+        block, the request's first 2D row c_row0: rows are (batch, entry) pairs)."""
+        if not self.has_compressed:
+            return None
+        plan = self.plan
+        if self.has_topk:
+            return entries.atom, (cute.local_tile(entries.mC, (plan.tile_n, plan.d_block), (0, None)),
+                                  hk * plan.blocks, entries.c_row0)
+        gC = cute.local_tile(entries.mC[None, None, hk, b], (plan.tile_n, plan.d_block), (None, None))
+        _, tCgC = cpasync.tma_partition(
+            entries.atom, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            cute.group_modes(qk_mma.get_slice(0).partition_B(gC), 0, 3),
+        )  # fmt: skip
+        return entries.atom, tCgC
+
+    def kv_span(self, m_block, rows, seqlen_k, window, entries):
+        if cutlass.const_expr(not self.has_compressed):  # D4's span, in the given positions' frame
+            if cutlass.const_expr(entries is None):
+                return super().kv_span(m_block, rows, seqlen_k, window, entries)
+            return KvSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window.left,
+                          window.right, self.has_left, self.has_right, entries.positions, entries.kv_start)
+        e = entries
+        # top-k: the tile's one token (a padded tile: owned_rows = pack_group rows from m_block * pack_group)
+        step = self.owned_rows
+        token = m_block * step // self.pack_group
+        if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
+            return IndexSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, e.count,
+                             e.topk[token, None], e.topk.shape[1])
+        if cutlass.const_expr(self.has_topk):
+            return TopkSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, window.left,
+                            window.right, self.has_left, self.has_right, e.ratio, e.count,
+                            e.topk[token, None], e.topk.shape[1], e.kv_start, e.positions)
+        return FusedSpan(m_block, rows, seqlen_k, QK_TILE_M, self.plan.tile_n, self.pack_group, window.left,
+                         window.right, self.has_left, self.has_right, e.ratio, e.count, e.kv_start, e.positions)
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
@@ -124,13 +197,15 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         return super().masks_inner_tiles() or self.has_compressed
 
     @cute.jit
-    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, tma_atom_c, tCgC, dst, barrier):
+    def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, sources, dst, barrier):
         if cutlass.const_expr(self.has_topk):
+            tma_atom_c, tCgC = sources
             if tile < span.n_cmp:
                 self.gather_k_block(span, tile, kb, tma_atom_c, tCgC, dst, barrier)
             else:
                 cute.copy(tma_atom_k, tKgK[None, span.window_tile(tile), kb], dst, tma_bar_ptr=barrier)
         elif cutlass.const_expr(self.has_compressed):
+            tma_atom_c, tCgC = sources
             if tile < span.n_cmp:
                 cute.copy(tma_atom_c, tCgC[None, tile, kb], dst, tma_bar_ptr=barrier)
             else:

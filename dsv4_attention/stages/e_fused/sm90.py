@@ -13,10 +13,14 @@ Per Q tile (rows = tokens t_lo .. t_hi), tiles in one index space (``FusedSpan``
     n >= n_cmp   window tile n - n_cmp of D4's span            D4's masks
 
 visited last-first as before: the window's tiles (its first visit holds the diagonal), then the
-compressed ones from the last (the only one a row can see partly) down to 0. Seams used, all in
-stage D1's skeleton: ``kv_span`` (the fused span), ``load_kv`` (the producer's source per tile:
-one runtime branch between two TMA descriptors of the same box), ``masks_inner_tiles``, ``q_first``
-(top-k: Q's TMA ahead of the first gathered tile, whose issue waits for its index list).
+compressed ones from the last (the only one a row can see partly) down to 0. The entries arrive
+as common/seams.Entries; the hooks of stage D1's skeleton this stage fills: ``entry_operands``
+(their TMA atom, K's chunked box), ``request_entries`` (a request's views, count, lists and
+positions), ``entry_views`` / ``entry_sources`` (the producer's views), ``kv_span`` (the fused
+span), ``load_kv`` (the producer's source per tile: one runtime branch between two TMA
+descriptors of the same box), ``masks_inner_tiles``, ``q_first`` (top-k: Q's TMA ahead of the
+first gathered tile, whose issue waits for its index list), ``stage_words`` / ``stage_span``
+(top-k: each ring slot's list in SMEM).
 
 Top-k (``has_topk``, DeepSeek-V4's CSA layers): compressed tile n is list positions [64 n, 64 n + 64)
 of the Q tile's one token (``TopkSpan``; pack_group a multiple of tile_m), its rows gathered by the
@@ -26,18 +30,61 @@ barriers counting 128 arrivals (``producer_warps``, ``full_arrivals``). Index mo
 tensor (``IndexSpan``: no window tiles, every tile gathered).
 """
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
+from dsv4_attention.common.kv_span import KvSpan, positions_row
+from dsv4_attention.common.layouts import seq_major
 from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit, l2_evict_last_policy
-from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
-from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
+from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP, make_tma_tile_atom
+from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, chunk_views, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
 
 GATHER_BYTES = ROW_UNIT_BYTES  # one cp.async: 8 bf16 columns of a row
 UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte row
+
+
+class EntryOperands(NamedTuple):
+    """The kernel's form of common/seams.Entries (``entry_operands``): the entries' TMA atom and
+    view (K's box, chunked), the ratio, the lists, the entries' memory (top-k rows are gathered by
+    address), then the bundle's other fields as given (None / 0 where unused)."""
+    atom: Any
+    mC: Any  # (entries, d, kv_heads, batch) TMA view
+    ratio: Any
+    mTopk: Any  # (batch, seqlen_q, k) int32 lists of entries, -1 padded
+    mC_mem: Any  # the same rows in memory
+    kv_start: Any  # the absolute position of raw key 0 (compressed visibility)
+    mPositions: Any  # (batch or 1, seqlen_q) int32 query tokens' absolute positions
+    mCuSeqlensC: Any  # varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1]
+
+
+class RequestEntries(NamedTuple):
+    """A request's entries (``request_entries``): the TMA atom, its views to index with batch
+    coordinate b, its entry count, its (seqlen_q, k) lists and query positions (or None), the ratio
+    and kv_start."""
+    atom: Any
+    mC: Any
+    mC_mem: Any
+    count: Any
+    topk: Any
+    positions: Any
+    ratio: Any
+    kv_start: Any
+
+
+class EntrySources(NamedTuple):
+    """What ``load_kv`` takes to load an entries tile (``entry_sources``): the TMA atom and this
+    tile's chunk views of the entries, the ring's first byte and the rows' memory (top-k gathers),
+    and the producer warp."""
+    atom: Any
+    tCgC: Any
+    ring_base: Any
+    mC_mem_hb: Any
+    warp_idx: Any
 
 
 class FlashAttentionESm90(FlashAttentionD5Sm90):
@@ -49,33 +96,89 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             # every producer thread gathers rows; each chunk's full barrier counts all of them
             self.producer_warps = THREADS_PER_WARPGROUP // 32
             self.full_arrivals = THREADS_PER_WARPGROUP
+            self.lanes_read_slot = True
             # the gather's addresses need more than the TMA producer's 24-32 registers (ptxas spilled
             # at 128-key tiles, and with the seesaw's four half-tile gathers a pair at 40); 16 fewer
             # per consumer thread pay for it (setmaxnreg: 64K per CTA)
             self.consumer_regs -= 16
             self.producer_regs += 16 * self.num_wg
 
-    def kv_span(self, m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed, mTopk,
-                kv_start=0, positions=None):
-        if cutlass.const_expr(not self.has_compressed):
-            return super().kv_span(m_block, rows, seqlen_k, window_left, window_right, compress_ratio, n_compressed,
-                                   mTopk, kv_start, positions)
-        token = m_block * self.tile_m // self.pack_group
-        if cutlass.const_expr(self.index_mode):  # the list is every key
-            return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, n_compressed,
-                             mTopk[token, None], mTopk.shape[1])
-        if cutlass.const_expr(self.has_topk):  # the Q tile's one token's list
-            return TopkSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
-                            window_right, self.has_left, self.has_right, compress_ratio, n_compressed,
-                            mTopk[token, None], mTopk.shape[1], kv_start, positions)
-        return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window_left,
-                         window_right, self.has_left, self.has_right, compress_ratio, n_compressed, kv_start,
-                         positions)
+    # ---- the entries seam (stage D1's hooks) ----
 
-    def request_entries(self, request, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
-        if cutlass.const_expr(not (self.varlen and self.has_compressed)):
-            return super().request_entries(request, b, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)
-        return varlen_entries(request, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC)[:5]
+    def entry_operands(self, entries, load_op, chunk_layout):
+        if cutlass.const_expr(not (self.has_compressed or self.has_positions)):
+            return None
+        atom = view = mem = None
+        if cutlass.const_expr(self.has_compressed):  # K's chunked box: the tiles share the ring
+            mem = seq_major(entries.compressed)
+            atom, view = make_tma_tile_atom(load_op, mem, chunk_layout, self.tile_n, CHUNK_COLS)
+        return EntryOperands(atom, view, entries.ratio, entries.topk, mem, entries.kv_start, entries.positions,
+                             entries.cu_seqlens_c)
+
+    def stage_words(self) -> int:
+        return self.tile_n * self.slots if self.has_topk else 0
+
+    @cute.jit
+    def prefetch_entries(self, entries):
+        if cutlass.const_expr(self.has_compressed):
+            cpasync.prefetch_descriptor(entries.atom)
+
+    def request_entries(self, request, b, entries, lengths):
+        if cutlass.const_expr(entries is None):
+            return None
+        e = entries
+        if cutlass.const_expr(self.varlen and self.has_compressed):
+            mC, mC_mem, count, topk, positions, _ = varlen_entries(request, e.mC, e.mC_mem, e.mTopk, e.mPositions,
+                                                                   lengths.cu_seqlens_q, e.mCuSeqlensC)
+            return RequestEntries(e.atom, mC, mC_mem, count, topk, positions, e.ratio, e.kv_start)
+        topk = count = None
+        if cutlass.const_expr(e.mTopk is not None):
+            topk = e.mTopk[b, None, None]
+        if cutlass.const_expr(e.mC is not None):
+            count = e.mC.shape[0]
+        return RequestEntries(e.atom, e.mC, e.mC_mem, count, topk, positions_row(e.mPositions, b), e.ratio,
+                              e.kv_start)
+
+    def entry_views(self, req, head_kv, b):
+        if cutlass.const_expr(not self.has_compressed):
+            return None
+        e = req.entries
+        return (e.atom, e.mC[None, None, head_kv, b], e.mC_mem[None, None, head_kv, b])
+
+    def stage_words_view(self, words):
+        if cutlass.const_expr(not self.has_topk):
+            return None
+        return words.get_tensor(cute.make_layout((self.tile_n, self.slots)))  # (tile_n, slots): a slot's list
+
+    def stage_span(self, span, smem, uses_before):
+        if cutlass.const_expr(self.has_topk):  # the producer stages each tile's list entries here
+            span.stage_lists(smem.stage_words, self.slots, uses_before)
+
+    def entry_sources(self, smem, tile, warp_idx):
+        if cutlass.const_expr(not self.has_compressed):
+            return None
+        atom, mC_hb, mC_mem_hb = tile.entries
+        _, tCgC = chunk_views(atom, mC_hb, smem.sK, self.tile_n)
+        return EntrySources(atom, tCgC, smem.ring_base, mC_mem_hb, warp_idx)
+
+    def kv_span(self, m_block, rows, seqlen_k, window, entries):
+        if cutlass.const_expr(not self.has_compressed):  # D4's span, in the given positions' frame
+            if cutlass.const_expr(entries is None):
+                return super().kv_span(m_block, rows, seqlen_k, window, entries)
+            return KvSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window.left,
+                          window.right, self.has_left, self.has_right, entries.positions, entries.kv_start)
+        token = m_block * self.tile_m // self.pack_group
+        e = entries
+        if cutlass.const_expr(self.index_mode):  # the list is every key
+            return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, e.count,
+                             e.topk[token, None], e.topk.shape[1])
+        if cutlass.const_expr(self.has_topk):  # the Q tile's one token's list
+            return TopkSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window.left,
+                            window.right, self.has_left, self.has_right, e.ratio, e.count,
+                            e.topk[token, None], e.topk.shape[1], e.kv_start, e.positions)
+        return FusedSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, window.left,
+                         window.right, self.has_left, self.has_right, e.ratio, e.count, e.kv_start,
+                         e.positions)
 
     def may_hide_rows(self) -> bool:
         # index mode: a token's list may name no row at all (all -1, topk_length 0): the softmax's
@@ -91,12 +194,11 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         return self.has_topk
 
     @cute.jit
-    def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, tma_atom_c, tCgC, gather, half=None):
+    def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, sources, half=None):
         if cutlass.const_expr(self.has_topk):  # all four producer warps run this
-            ring_base, mC_hb, warp_idx = gather
             if n < span.n_cmp:
-                self.gather_tile(ring, t, n, span, ring_base, mC_hb, half)
-            elif warp_idx == 0:
+                self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
+            elif sources.warp_idx == 0:
                 ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
             else:
                 # a TMA tile is warp 0's, but every producer warp waits for its slot half too:
@@ -107,7 +209,7 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
                 ring.wait_load(t, half)
         elif cutlass.const_expr(self.has_compressed):
             if n < span.n_cmp:
-                ring.load(t, tma_atom_c, tCgC, tKsK, n, half)
+                ring.load(t, sources.atom, sources.tCgC, tKsK, n, half)
             else:
                 ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
         else:
