@@ -14,7 +14,7 @@ from dsv4_attention.common.testing import (
     attention_inputs,
     check_attention,
     gpu_arch_params,
-    run_compute_sanitizer,
+    sanitizer_test,
 )
 from dsv4_attention.stages import c_online_softmax as stage
 
@@ -84,12 +84,7 @@ from dsv4_attention.stages import c_online_softmax as stage
 q = torch.randn(1, 200, 2, 64, device="cuda").bfloat16()
 k = torch.randn(1, 300, 1, 64, device="cuda").bfloat16()
 o, lse = stage.forward(q, k, k.clone())
-torch.cuda.synchronize()
-print("sanitized case ran", o.float().abs().sum().item())
+assert torch.isfinite(o).all()
 """
 
-
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer(arch, tool):
-    run_compute_sanitizer(tool, SANITIZER_CASE)
+test_compute_sanitizer = sanitizer_test(SANITIZER_CASE)

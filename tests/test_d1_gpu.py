@@ -20,7 +20,7 @@ from dsv4_attention.common.testing import (
     fresh_generator,
     gpu_arch_params,
     random_bshd,
-    run_compute_sanitizer,
+    sanitizer_test,
 )
 from dsv4_attention.stages import d1_smem_p as stage
 
@@ -162,15 +162,9 @@ stage.forward(q, kv, kv)                       # split warpgroups, SMEM-P, K = V
 stage.forward(q, kv, kv.clone())               # K != V rings
 q2, kv2 = q[..., :128].contiguous(), kv[..., :128].contiguous()
 stage.forward(q2, kv2, kv2, p_in_smem=True)    # rows layout with SMEM-P
-torch.cuda.synchronize()
-print("sanitized case ran")
 """
 
-
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_compute_sanitizer(arch, tool):
-    """memcheck: no out-of-bounds access; racecheck: the SMEM-P stores, row-stat exchange and
-    buffer reuse are ordered by their barriers; synccheck: every named barrier is reached by the
-    thread count it names."""
-    run_compute_sanitizer(tool, SANITIZER_CASE)
+# memcheck: no out-of-bounds access; racecheck: the SMEM-P stores, row-stat exchange and buffer
+# reuse are ordered by their barriers; synccheck: every named barrier is reached by the thread
+# count it names
+test_compute_sanitizer = sanitizer_test(SANITIZER_CASE, tools=("memcheck", "racecheck", "synccheck"))

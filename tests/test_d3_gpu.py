@@ -12,7 +12,7 @@ from dsv4_attention.common.testing import (
     check_varlen,
     fresh_generator,
     gpu_arch_params,
-    run_compute_sanitizer,
+    sanitizer_test,
     varlen_inputs,
 )
 from dsv4_attention.stages import d3_lengths as stage
@@ -180,12 +180,6 @@ stage.forward(qv, kvv, kvv, cu_seqlens_q=cu(0, 2, 2, 379), cu_seqlens_k=cu(0, 30
 qg = torch.randn(300, 16, 128, device="cuda").bfloat16()
 kg = torch.randn(500, 2, 128, device="cuda").bfloat16()
 stage.forward(qg, kg, kg.clone(), cu_seqlens_q=cu(0, 130, 130, 299), cu_seqlens_k=cu(0, 0, 250, 500))
-torch.cuda.synchronize()
-print("sanitized case ran")
 """
 
-
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer(arch, tool):
-    run_compute_sanitizer(tool, SANITIZER_CASE)
+test_compute_sanitizer = sanitizer_test(SANITIZER_CASE)

@@ -12,7 +12,7 @@ from dsv4_attention.common.testing import (
     check_varlen,
     fresh_generator,
     gpu_arch_params,
-    run_compute_sanitizer,
+    sanitizer_test,
     varlen_inputs,
 )
 from dsv4_attention.stages import d4_causal_window as stage
@@ -127,15 +127,9 @@ q2 = torch.randn(1, 300, 4, 128, device="cuda").bfloat16()
 k2 = torch.randn(1, 200, 2, 128, device="cuda").bfloat16()
 stage.forward(q2, k2, k2.clone(), causal=True)
 stage.forward(q2, k2, k2.clone(), window_size=(5, 3))
-torch.cuda.synchronize()
-print("sanitized case ran")
 """
 
-
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer(arch, tool):
-    run_compute_sanitizer(tool, SANITIZER_CASE)
+test_compute_sanitizer = sanitizer_test(SANITIZER_CASE)
 
 
 @pytest.mark.big_memory

@@ -281,10 +281,25 @@ def check_varlen(forward, q, k, v, cu_q, cu_k, record, g, **case):
     assert untouched, f"rows past the last request were written: {msg}"
 
 
+def sanitizer_test(script: str, tools=("memcheck", "racecheck")):
+    """A stage's ``test_compute_sanitizer``: ``script`` under each of ``tools``, per GPU architecture
+    (``run_compute_sanitizer``)."""
+
+    @pytest.mark.parametrize("arch", gpu_arch_params())
+    @pytest.mark.parametrize("tool", list(tools))
+    def test_compute_sanitizer(arch, tool):
+        run_compute_sanitizer(tool, script)
+
+    return test_compute_sanitizer
+
+
 def run_compute_sanitizer(tool: str, script: str, marker: str = "sanitized case ran"):
-    """Run ``script`` (Python source that prints ``marker`` at its end) under compute-sanitizer's
-    ``tool`` (memcheck, racecheck, synccheck, ...) from the repository root and assert it reports
-    no error. Skips where the sanitizer is not installed."""
+    """Run ``script`` under compute-sanitizer's ``tool`` (memcheck, racecheck, synccheck, ...) from
+    the repository root and assert it reports no error. The script ends by printing ``marker``
+    (appended here, after a device sync, where it does not). Skips where the sanitizer is not
+    installed."""
+    if marker not in script:
+        script += f"\nimport torch\ntorch.cuda.synchronize()\nprint({marker!r})\n"
     import os
     import shutil
     import subprocess
