@@ -94,3 +94,13 @@ def replay(fn, tile_n: int, m_blk: int, rows: int, seqlen_k: int, seqused: int, 
                             n_compressed, kv_start)],
        from_dlpack(torch.tensor([0] if positions is None else positions, dtype=torch.int32)))
     return out, coords, tuple(info.tolist())
+
+
+def mismatches(m_blk, span, kept: dict, want: set) -> list:
+    """What a Q tile's kept pairs (each with how often it was kept) get wrong against ``want``."""
+    twice = sorted(p for p, n in kept.items() if n > 1)
+    extra = sorted(set(kept) - want, key=str)
+    missing = sorted(want - set(kept), key=str)
+    return [f"m_blk {m_blk} span {span}: {len(pairs)} {what}, e.g. {pairs[:3]}"
+            for what, pairs in (("held twice", twice), ("kept but hidden", extra), ("visible but masked", missing))
+            if pairs]

@@ -334,3 +334,65 @@ def test_a_split_plan_keeps_no_tensor_of_the_call_alive(kernel):
     kernel.clear()
     gc.collect()
     assert call_plan.size() == 1 and all(r() is None for r in refs)
+
+
+def same_views(a, b) -> bool:
+    """``same_args`` with tensors compared as views: the same memory, shape, strides and dtype."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            if type(x) is not type(y) or not same_views(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.data_ptr() == y.data_ptr()
+                    and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype):
+                return False
+        elif not (x == y and type(x) is type(y)):
+            return False
+    return True
+
+
+def decode_case():
+    """A decode step over two MODEL1 FP8 caches (pages of 64 and of 2): 2 requests x 2 tokens x 64
+    heads, each token's 64 + 128 listed slots."""
+    from dsv4_attention.common import kv_cache
+
+    win = kv_cache.quantize_kv_cache((torch.randn(3, 64, 1, 512) / 4).bfloat16())
+    ext = kv_cache.quantize_kv_cache((torch.randn(40, 2, 1, 512) / 4).bfloat16())
+    q = torch.randn(2, 2, 64, 512).bfloat16()
+    return q, win, torch.randint(-1, 192, (2, 2, 64), dtype=torch.int32), ext, \
+        torch.randint(-1, 80, (2, 2, 128), dtype=torch.int32)
+
+
+def test_a_decode_step_is_planned_once_its_lists_are_the_engines(kernel, monkeypatch):
+    """``decode`` with check_indices=False (an engine's own lists): its second step of the same
+    shapes skips the checks (``resolve_masks`` is not reached) and hands the kernel the same
+    arguments as the full path, the partial buffers being that step's own (each list's splits its
+    slice of one buffer); with the lists checked, every step is validated."""
+    q, win, idx, ext, ext_idx = decode_case()
+    resolved = []
+    real = interface.resolve_masks
+    monkeypatch.setattr(interface, "resolve_masks", lambda *a, **k: resolved.append(1) or real(*a, **k))
+    kw = {"extra_k_cache": ext, "extra_indices": ext_idx, "attn_sink": torch.randn(64), "num_splits": 2,
+          "check_indices": False}
+    e_fused.decode(q, win, idx, **kw)
+    assert len(resolved) == 2 and call_plan.size() == 2  # one plan a list
+    first = kernel[-2:]
+    e_fused.decode(q, win, idx, **kw)  # planned: no checks
+    assert len(resolved) == 2
+    planned = kernel[-2:]
+    for new, old in zip(planned, first, strict=True):
+        assert new[PARTS].o is not old[PARTS].o and new[PARTS].o.shape == old[PARTS].o.shape
+    window_part, extra_part = planned[0][PARTS].o, planned[1][PARTS].o
+    assert extra_part.data_ptr() - window_part.data_ptr() == 2 * window_part[0].numel() * 4, "one buffer"
+    call_plan.clear()
+    e_fused.decode(q, win, idx, **kw)  # the full path on the same tensors
+    for p_args, f_args in zip(planned, kernel[-2:], strict=True):  # decode's views are new each step
+        assert same_views(without_partials(p_args)[:3] + without_partials(p_args)[5:],
+                          without_partials(f_args)[:3] + without_partials(f_args)[5:])
+    assert len(resolved) == 4
+    call_plan.clear()
+    for _ in range(2):
+        e_fused.decode(q, win, idx, **{**kw, "check_indices": True})
+    assert len(resolved) == 4 + 2 * 2  # every checked step resolves both lists

@@ -36,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 import torch
-from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay
+from sm100_mask_replay import MAX_VISITS, build_mask_runner, mismatches, replay
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.kv_span import KvSpan, tile_needs_mask, tile_tokens
@@ -119,12 +119,7 @@ def mask_failures(name: str, case: dict) -> list[str]:
     for m_blk in case["m_blocks"]:
         kept, span = kept_pairs(name, m_blk, sq, sk, su, left, right)
         want = visible_pairs(m_blk, kernel.pack_group, sq, want_used, want_left, want_right)
-        twice = sorted(p for p, n in kept.items() if n > 1)
-        extra = sorted(set(kept) - want)
-        missing = sorted(want - set(kept))
-        for what, pairs in (("held twice", twice), ("kept but hidden", extra), ("visible but masked", missing)):
-            if pairs:
-                fails.append(f"m_blk {m_blk} span {span}: {len(pairs)} {what}, e.g. {pairs[:3]}")
+        fails += mismatches(m_blk, span, kept, want)
     return fails
 
 

@@ -205,6 +205,9 @@ CASES = [
            "has_compressed": True, "varlen": True}),
     (512, {"kv_shared": True, "pack_group": 64, "has_left": True, "has_right": True, "has_sink": True,
            "has_compressed": True, "has_topk": True, "varlen": True, "has_positions": True}),
+    # serving: index mode over a paged FP8 cache (pages of 64, the sink)
+    (512, {"kv_shared": True, "pack_group": 64, "has_sink": True, "has_compressed": True, "has_topk": True,
+           "index_mode": True, "kv_pages": 64}),
 ]
 
 
@@ -560,3 +563,71 @@ def test_sm100_gather_view_reads_exactly_the_layouts_the_check_accepts():
     assert all(accepted == exact for accepted, exact in verdicts.values()), verdicts
     assert sum(not a for a, _ in verdicts.values()) >= 3, "negative control: some layouts must be misread"
     assert all(a for (layout, b, hk), (a, _) in verdicts.items() if b == 1 and hk == 1), "one batch, one head: any"
+
+
+def fp8_pages(nb=3, b=64, seed=5):
+    from dsv4_attention.common import kv_cache as kc
+
+    g = torch.Generator().manual_seed(seed)
+    return kc.quantize_kv_cache((torch.randn(nb, b, 1, 512, generator=g) / 4).bfloat16())
+
+
+@pytest.mark.parametrize("page", [64, 2])
+def test_index_mode_reads_fp8_pages_in_place(launch, page):
+    """A MODEL1 FP8 cache goes to the kernel as its own bytes ([1, pages, 1, used bytes] uint8 over
+    the cache's memory, the page stride kept), with ``kv_pages`` = its page size; K and V are a
+    one-row stand-in (index mode loads no window tile) and an index may name any slot."""
+    cache = fp8_pages(b=page)
+    slots = cache.shape[0] * page
+    q = torch.randn(4, 64, 512).bfloat16()
+    idx = torch.randint(-1, slots, (4, 1, 64), dtype=torch.int32)
+    args, options = launch("sm90", stage.index_attention, q, cache, idx)
+    raw = args["entries"].compressed
+    assert raw.dtype == torch.uint8 and raw.data_ptr() == cache.data_ptr()
+    assert raw.shape == (1, cache.shape[0], 1, 584 * page) and raw.stride()[1] == cache.stride(0)
+    assert args["k"].shape == (1, 1, 1, 512) and args["v"] is args["k"]
+    assert options["kv_pages"] == page and options["index_mode"] and options["has_topk"]
+    with pytest.raises(ValueError, match="values"):
+        launch("sm90", stage.index_attention, q, cache, idx.clamp(min=slots))
+
+
+def test_fp8_pages_are_refused_where_no_gather_reads_them(monkeypatch):
+    """sm100 has no FP8 page gather yet: refused before launch, naming the way around."""
+    from dsv4_attention.common import interface
+
+    monkeypatch.setattr(interface, "arch_of_device", lambda device: "sm100")
+    with pytest.raises(ValueError, match="sm90 kernel only"):
+        stage.index_attention(torch.randn(4, 128, 512).bfloat16(), fp8_pages(), torch.zeros(4, 1, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda c, q: (q.half(), c), "bf16"),
+    (lambda c, q: (q[..., :256], c), "512"),
+    (lambda c, q: (q, c.view(torch.uint8)[..., :576]), "584"),
+    (lambda c, q: (q, torch.as_strided(c, (2,) + tuple(c.shape[1:]), (c.stride(0) - 576,) + tuple(c.stride()[1:]))),
+     "apart"),
+    (lambda c, q: (q, c.float()[..., :512].bfloat16()), "rank-3"),
+])
+def test_fp8_pages_checks(args, match):
+    cache = fp8_pages()
+    q = torch.randn(4, 64, 512).bfloat16()
+    with pytest.raises(ValueError, match=match):
+        stage.index_attention(*args(cache, q), torch.zeros(4, 1, 8, dtype=torch.int32))
+
+
+def test_decode_writes_both_lists_into_one_merge(launch):
+    """decode's first launch: the window list of FP8 pages into the first splits of one fp32
+    partial buffer the extra list shares (an exact merge of both, the sink in the merge only)."""
+    win, ext = fp8_pages(b=64), fp8_pages(nb=40, b=2, seed=6)
+    q = torch.randn(2, 2, 64, 512).bfloat16()
+    idx = torch.randint(-1, 192, (2, 2, 64), dtype=torch.int32)
+    ext_idx = torch.randint(-1, 80, (2, 2, 128), dtype=torch.int32)
+    args, options = launch("sm90", stage.decode, q, win, idx, extra_k_cache=ext, extra_indices=ext_idx,
+                           attn_sink=torch.zeros(64), num_splits=3)
+    parts = args["partials"]
+    assert parts.num_splits == 3 and parts.o.shape == (3, 4, 64, 512) and parts.lse.shape == (3, 64, 4)
+    whole = parts.o.untyped_storage().nbytes() // 4
+    assert whole == 6 * 4 * 64 * 512, "one buffer for both lists' splits"
+    assert options["split_kv"] and options["kv_pages"] == 64 and "has_sink" not in options
+    assert args["sink"] is None
+    assert torch.equal(args["entries"].topk[0], idx.reshape(4, 64))

@@ -41,7 +41,7 @@ import seam_calls
 import torch
 from cutlass import Int32
 from plain_jit import plain
-from sm100_mask_replay import MAX_VISITS, build_mask_runner, replay, run_buffers, thread_replayer
+from sm100_mask_replay import MAX_VISITS, build_mask_runner, mismatches, replay, run_buffers, thread_replayer
 
 from dsv4_attention.common import kv_span
 from dsv4_attention.common.compressed import compressed_visible, compressed_visible_at
@@ -131,12 +131,7 @@ def mask_failures(name: str, case: dict) -> list[str]:
     for m_blk in case["m_blocks"]:
         kept, span = kept_triples(name, m_blk, case)
         want = visible_triples(m_blk, kernel.pack_group, case, want_left, want_right)
-        twice = sorted(p for p, n in kept.items() if n > 1)
-        extra = sorted(set(kept) - want)
-        missing = sorted(want - set(kept))
-        for what, pairs in (("held twice", twice), ("kept but hidden", extra), ("visible but masked", missing)):
-            if pairs:
-                fails.append(f"m_blk {m_blk} span {span}: {len(pairs)} {what}, e.g. {pairs[:3]}")
+        fails += mismatches(m_blk, span, kept, want)
     return fails
 
 
@@ -336,7 +331,8 @@ def tma_sources(head_dim: int, span_args: tuple, cls=FlashAttentionESm100, hk: i
         sV = cute.make_tensor(cute.recast_ptr(smem, v_ring.inner), v_ring.outer)
         span = seam_calls.span(kernel, *span_args)
         _, tKgK, _, _ = kernel.kv_tma_views(qk, pv, atom_k, tma_k, atom_k, tma_k, sK, sV, hk, b, span.origin)
-        req = kernel.request_entries(b, b, EntryOperands(atom_c, tma_c, span_args[5], None, 0, None, None), Lengths())
+        ratio = seam_calls.span_arguments(span_args)["ratio"]
+        req = kernel.request_entries(b, b, EntryOperands(atom_c, tma_c, ratio, None, 0, None, None), Lengths())
         sources = kernel.entry_sources(qk, req, sK, hk, b)
         names = {id(atom_k): "k", id(atom_c): "c"}
         got = {}
@@ -519,12 +515,7 @@ def topk_mask_failures(name: str, case: dict, expect_index: bool | None = None) 
                      if topk_visible(token, p, int(topk[token, p]), sq, sk, ratio, entries, k)}
         if index and span[1] != span[2]:
             fails.append(f"m_blk {m_blk} span {span}: index mode visits a window tile")
-        twice = sorted(p for p, n in kept.items() if n > 1)
-        extra = sorted(set(kept) - want, key=str)
-        missing = sorted(want - set(kept), key=str)
-        for what, pairs in (("held twice", twice), ("kept but hidden", extra), ("visible but masked", missing)):
-            if pairs:
-                fails.append(f"m_blk {m_blk} span {span}: {len(pairs)} {what}, e.g. {pairs[:3]}")
+        fails += mismatches(m_blk, span, kept, want)
     return fails
 
 

@@ -78,6 +78,73 @@ def test_layout_checker_rejects_interleaved_scales():
     assert not torch.equal(wrong, want)
 
 
+def kernel_view(cache: torch.Tensor, token_map=None, unit_map=None) -> torch.Tensor:
+    """Every cache slot's 512 dims as the paged gather reads them: for each token j, chunk c and
+    16-byte unit u, the bytes ``kv_cache.token_bytes`` / ``unit_bytes`` (the kernel's own address
+    map; stand-ins for the negative controls) name, dequantized with the scale byte they name."""
+    token_map, unit_map = token_map or kc.token_bytes, unit_map or kc.unit_bytes
+    nb, b = cache.shape[:2]
+    raw = torch.as_strided(cache.view(torch.uint8), (cache.stride(0) * (nb - 1) + kc.page_layout(b).used_bytes,),
+                           (1,))
+    out = torch.empty(nb * b, 512, dtype=torch.bfloat16)
+    for j in range(nb * b):
+        data, scales = token_map(j, b, cache.stride(0))
+        for c in range(8):
+            for u in range(8):
+                off, n, tile = unit_map(c, u)
+                bytes_ = raw[data + off:data + off + n]
+                if tile is None:
+                    vals = bytes_.view(torch.bfloat16)
+                else:
+                    e = int(raw[scales + tile])
+                    vals = (bytes_.view(torch.float8_e4m3fn).float() * 2.0 ** (e - 127)).to(torch.bfloat16)
+                out[j, 64 * c + 8 * u:64 * c + 8 * u + 8] = vals
+    return out
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("nb,b", [(3, 2), (2, 64), (1, 5)])
+def test_gather_address_map_reads_the_format(nb, b):
+    """The paged gather's address map (kv_cache.token_bytes / unit_bytes, which
+    stages/e_fused/sm90_pages.py calls) reads every dim of every slot, each NoPE unit with its own
+    tile's scale, as the format defines them (``dequantize_kv_cache``, bit for bit); a padded page
+    stride too."""
+    g = fresh_generator()
+    cache = kc.quantize_kv_cache(pages(nb, b, g))
+    want = kc.dequantize_kv_cache(cache).view(-1, 512)
+    assert torch.equal(kernel_view(cache), want)
+    lay = kc.page_layout(b)
+    roomy = torch.zeros(nb, lay.page_bytes + 576, dtype=torch.uint8)
+    roomy[:, :lay.page_bytes] = page_bytes(cache)
+    padded = roomy.view(torch.float8_e4m3fn)[:, :lay.used_bytes].view(nb, b, 1, kc.BYTES_PER_TOKEN)
+    assert torch.equal(kernel_view(padded), want)
+
+
+@pytest.mark.proof
+def test_gather_address_map_checker_rejects_wrong_maps():
+    """Negative controls: a map that takes the next tile's scale, one that puts the scales right
+    after each token's data (a 584-byte record), and one that ignores the page stride all read
+    values the format does not hold."""
+    g = fresh_generator()
+    cache = kc.quantize_kv_cache(pages(3, 4, g))
+    want = kc.dequantize_kv_cache(cache).view(-1, 512)
+
+    def next_scale(c, u):
+        off, n, tile = kc.unit_bytes(c, u)
+        return off, n, None if tile is None else (tile + 1) % kc.TILES
+
+    def interleaved(j, b, stride):
+        page, t = divmod(j, b)
+        return page * stride + 584 * t, page * stride + 584 * t + 576
+
+    def dense_pages(j, b, stride):
+        return kc.token_bytes(j, b, kc.page_layout(b).used_bytes)
+
+    assert not torch.equal(kernel_view(cache, unit_map=next_scale), want)
+    assert not torch.equal(kernel_view(cache, token_map=interleaved), want)
+    assert not torch.equal(kernel_view(cache, token_map=dense_pages), want)
+
+
 def test_dequantize_inverts_within_e4m3_rounding():
     g = fresh_generator()
     kv = pages(2, 16, g)

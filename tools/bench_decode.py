@@ -7,7 +7,16 @@ from __future__ import annotations
 import torch
 
 from dsv4_attention.common import bench
-from tools.bench_stages import dsv4_layer, graph_ms, guarded
+from tools.bench_stages import add_peer, dsv4_layer, graph_ms, guarded
+
+# FlashMLA's MODEL1 decode cases (its tests/test_flash_mla_sparse_decoding.py, the device pack's
+# check_decode.py): heads, s_q, window tokens, window top-k, its page size, extra tokens, extra
+# top-k, its page size, whether the extra list has per-request lengths
+FP8_CONFIGS = {1: (64, 2, 16384, 128, 256, 16384, 512, 64, False),
+               2: (128, 2, 16384, 128, 256, 16384, 1024, 64, False),
+               3: (64, 2, 16384, 128, 256, 16384, 1024, 2, True),
+               4: (128, 2, 16384, 128, 256, 16384, 1024, 2, True)}
+FP8_BATCHES = (2, 64, 128)
 
 
 def bench_decode(dev) -> list:
@@ -20,6 +29,11 @@ def bench_decode(dev) -> list:
             for sk in (4096, 65536):
                 rows += guarded(decode_row, dev, sq, sk, topk, copy)
                 torch.cuda.empty_cache()
+    # serving: FlashMLA's FP8 sparse decode cases, ours and FlashMLA's kernels on the same caches
+    for config in FP8_CONFIGS:
+        for b in FP8_BATCHES:
+            rows += guarded(fp8_decode_row, dev, config, b, copy)
+            torch.cuda.empty_cache()
     # few requests with long spans: split-KV (common/split_kv.py) against one unit per Q tile
     for mode, sk in (("dense", 8192), ("dense", 65536), ("hca", 1 << 20)):
         for b in (1, 4, 16):
@@ -118,4 +132,66 @@ def decode_row(dev, sq: int, sk: int, topk: int | None, copy: float) -> dict:
     print(f"decode {row['case']}: {ms:.4f} ms replayed ({eager_ms:.4f} ms per eager call), {row['gbps']} GB/s "
           f"({row['fraction_of_copy']:.0%} of copy), {len(cases)} input sets", flush=True)
     del cases
+    return row
+
+
+def fp8_cache(dev, b: int, s_q: int, tokens: int, page: int, topk: int, g):
+    """A MODEL1 FP8 cache of ``b`` requests x ``tokens`` tokens on shuffled pages, and each token's
+    ``topk`` distinct listed slots (common/kv_cache.py; FlashMLA's test builds them alike)."""
+    from dsv4_attention.common import kv_cache
+
+    pages = -(-tokens // page)
+    table = torch.randperm(b * pages, generator=g).int().view(b, pages).to(dev)
+    bf16 = (torch.randn(b * pages, page, 1, 512, generator=g) / 10).to(torch.bfloat16).to(dev)
+    cache = kv_cache.quantize_kv_cache(bf16)
+    del bf16
+    logical = torch.rand(b * s_q, tokens, device=dev).topk(topk, dim=1).indices.int().view(b, s_q, topk)
+    return cache, kv_cache.cache_indices(logical, table, page)
+
+
+def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
+    """FlashMLA's MODEL1 CONFIG ``config`` decode step at batch ``b``: our ``e_fused.decode`` and
+    FlashMLA's ``flash_mla_with_kvcache`` (the device pack's ``with_kvcache_sparse``) on the same
+    FP8 caches, both replayed from CUDA graphs (``graph_ms``; the same inputs each call, so the
+    listed rows of a small batch stay in L2 for both alike). FLOPs as FlashMLA counts them (2 h
+    (512 + 512) per attended key); bytes: the distinct listed tokens' 584 bytes, Q and O."""
+    from dsv4_attention.stages import e_fused
+
+    heads, s_q, w_tokens, w_topk, w_page, x_tokens, x_topk, x_page, x_len = FP8_CONFIGS[config]
+    g = torch.Generator().manual_seed(config * 1000 + b)
+    win, win_idx = fp8_cache(dev, b, s_q, w_tokens, w_page, w_topk, g)
+    ext, ext_idx = fp8_cache(dev, b, s_q, x_tokens, x_page, x_topk, g)
+    ext_len = torch.randint(0, x_topk + 1, (b,), generator=g).int().to(dev) if x_len else None
+    q = (torch.randn(b, s_q, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
+    sink = torch.randn(heads, generator=g).to(dev)
+    scale = 512 ** -0.55  # FlashMLA's test's scale
+    attended = b * s_q * w_topk + (int(ext_len.sum()) * s_q if x_len else b * s_q * x_topk)
+    flop = 2 * heads * attended * (512 + 512)
+    distinct = sum(int(i[i >= 0].unique().numel()) for i in (win_idx, ext_idx))
+    moved = distinct * 584 + 2 * b * s_q * heads * 512 * 2
+    ours = lambda: e_fused.decode(q, win, win_idx, attn_sink=sink, extra_k_cache=ext,  # noqa: E731
+                                  extra_indices=ext_idx, extra_topk_length=ext_len, softmax_scale=scale,
+                                  check_indices=False)
+    o, _ = ours()
+    ms = graph_ms([ours])
+    case = (f"fp8 decode flashmla MODEL1 CONFIG{config} b{b} h{heads} sq{s_q} top-{w_topk} (pages of {w_page}) + "
+            f"extra top-{x_topk} (pages of {x_page}{', lengths' if x_len else ''}) hd512 sink")
+    row = {"stage": "decode", "case": case, "head_dim": 512, "seqlen": w_tokens,
+           "kind": "fp8 decode from paged caches (CUDA graph replay)", "ours_ms": round(ms, 4),
+           "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {},
+           "gbps": round(moved / (ms * 1e-3) / 1e9), "copy_gbps": round(copy)}
+    try:
+        import flashmla_peer as fm  # pyright: ignore[reportMissingImports] (GPU peer)
+
+        meta = fm.FlashMLASchedMeta()
+        peer = lambda: fm.with_kvcache_sparse(q, win, win_idx, None, sink, ext, ext_idx, ext_len,  # noqa: E731
+                                              softmax_scale=scale, sched_meta=meta)
+        o_peer, _ = peer()
+        row["max_abs_diff_vs_flashmla"] = float((o_peer.float() - o.float()).abs().max())
+        add_peer(row, "flashmla", graph_ms([peer]), flop)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+        print(f"peer flashmla failed: {type(e).__name__}: {e}"[:300], flush=True)
+    print(f"decode {case}: ours {ms * 1e3:.1f} us ({row['ours_tflops']} TFLOP/s, {row['gbps']} GB/s), "
+          f"flashmla {row['peer_ms'].get('flashmla')} ms, time ratio {row['time_ratio_vs'].get('flashmla')}, "
+          f"max|diff| {row.get('max_abs_diff_vs_flashmla')}", flush=True)
     return row

@@ -33,8 +33,11 @@ SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA, sm90 and sm100
 TMEM_COLUMNS = 512
 COMPILE_BUDGET_S = 30.0  # wall seconds of one compile, file cache off (the brief's bound)
 #: CPU seconds of one compile (this process and its children): what the compile costs whatever
-#: else the machine runs (CI's two pytest workers share two cores, so wall time can double)
-COMPILE_CPU_BUDGET_S = 20.0
+#: else the machine runs (CI's two pytest workers share two cores, so wall time can double). The
+#: same bound as the wall's: CI's machine is slower than a developer's (the worst E hd 512
+#: configuration took 10-14 s here and 21-25 s of CPU there, 2026-11-28), so a tighter CPU bound
+#: failed CI on a compile the brief's 30 s admits.
+COMPILE_CPU_BUDGET_S = 30.0
 
 
 @dataclasses.dataclass

@@ -38,13 +38,14 @@ from dsv4_attention.common.softmax import acc_rows_view
 
 
 def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool,
-                has_positions: bool = False, padded_topk: bool = False) -> None:
+                has_positions: bool = False, padded_topk: bool = False, kv_pages: int = 0) -> None:
     """Stage E's compile-time options on a kernel object (both archs), refused where they do not
     compose: compressed entries are K = V rows; top-k lists need the compressed tensor and Q tiles
     of one token (pack_group a multiple of ``tile_m``, or, where the kernel pads (``padded_topk``:
     sm100), exactly half of it: ``pack_heads.padded_topk_group``); index mode is top-k with no
     window, batched; per-token positions (``has_positions``: the kernel takes mPositions) have no
-    meaning in index mode."""
+    meaning in index mode; ``kv_pages`` (the tokens a page of a MODEL1 FP8 cache, common/kv_cache.py:
+    the compressed tensor is that cache's bytes) serves index mode at head dim 512 in bf16."""
     from dsv4_attention.common.pack_heads import padded_topk_group
 
     kernel.has_compressed, kernel.has_topk, kernel.index_mode = bool(has_compressed), bool(has_topk), bool(index_mode)
@@ -64,6 +65,9 @@ def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index
         raise ValueError("compressed entries are K = V rows: the window's K and V must be one tensor (kv)")
     if kernel.index_mode and kernel.varlen:
         raise ValueError("index mode takes flat [tokens, heads, d] tensors, not cu_seqlens")
+    kernel.kv_pages = int(kv_pages)
+    if kernel.kv_pages and not (kernel.index_mode and kernel.head_dim == 512 and kernel.dtype is cutlass.BFloat16):
+        raise ValueError("kv_pages (a paged FP8 cache) serves index mode at head dim 512, bf16 q")
 
 
 def varlen_entries(request, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):

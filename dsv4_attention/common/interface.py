@@ -29,11 +29,12 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
                            has_compressed: bool = False, has_topk: bool = False, has_positions: bool = False,
-                           split_kv: bool = False, **_):
+                           split_kv: bool = False, kv_pages: int = 0, **_):
     """CPU arguments of an attention kernel for the kernel options given, as a call passes them
     (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
     tensor as K and V) and the trailing seam bundles of stage D1's kernel and those built on it
-    (``plain``: a kernel without them, stages B and C)."""
+    (``plain``: a kernel without them, stages B and C). ``kv_pages``: the compressed entries are a
+    paged FP8 cache's bytes, [1, pages, 1, page bytes] uint8 (stage E's serving gather)."""
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype)
     k = torch.empty(2, seqlen_k, 2, head_dim, dtype=dtype)
     lse = torch.empty(2, 4, 300, dtype=torch.float32)
@@ -49,13 +50,22 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
             seams.Lengths(torch.empty(2, dtype=torch.int32) if seqused_k else None, cu, cu, 300 if varlen else 0),
             seams.Window(127 if has_left else 0, 0),
             torch.zeros(4, dtype=torch.float32) if has_sink else None,
-            seams.Entries(torch.empty(2, 50, 2, head_dim, dtype=dtype) if has_compressed else None,
+            seams.Entries(entries_example(dtype, head_dim, kv_pages) if has_compressed else None,
                           4 if has_compressed else 0,
                           torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
                           torch.zeros(2, 300, dtype=torch.int32) if has_positions else None,
                           cu if varlen and has_compressed else None),
             parts)
     return args
+
+
+def entries_example(dtype, head_dim: int, kv_pages: int) -> torch.Tensor:
+    """The compressed entries' CPU stand-in: bf16 / fp16 rows, or a paged FP8 cache's bytes."""
+    if kv_pages:
+        from dsv4_attention.common.kv_cache import page_layout
+
+        return torch.empty(1, 8, 1, page_layout(kv_pages).used_bytes, dtype=torch.uint8)
+    return torch.empty(2, 50, 2, head_dim, dtype=dtype)
 
 
 def same_memory(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -111,7 +121,7 @@ def attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, softmax_
                       tail=(), plan=None):
     """The call of stages B, C and D1: check, pick the architecture from the device, handle a call
     with no key on the host, launch. ``options``: the kernel's compile-time options; ``tail``: its
-    arguments after the stream (D1's kernel: ``no_mask_args()``). ``plan``: the caller's part of
+    arguments after the stream (D1's kernel: ``seams.tail()``, every bundle unused). ``plan``: the caller's part of
     the call's signature (its options, hashable; None: never planned): a call whose signature has
     a plan skips everything but the alignment check and the allocation of its outputs.
 
@@ -161,12 +171,6 @@ def attention_demo_case(forward, flops, device, head_dim, batch, heads, seqlen_q
     return e, ms, bench.tflops(flops(batch, seqlen_q, seqlen_k, heads, head_dim), ms)
 
 
-def no_mask_args():
-    """The trailing kernel operands of stage D1's kernel for a call without lengths or window
-    (common/seams.py: every bundle in its unused form)."""
-    return seams.tail()
-
-
 @dataclasses.dataclass(frozen=True)
 class MaskedCall:
     """A call of the masked stages (D2-E), resolved: every check done, what the kernel is compiled
@@ -188,7 +192,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
                              kv_start=0, index_mode=False, positions=None, cu_seqlens_compressed=None,
-                             check_indices=True, num_splits=1):
+                             check_indices=True, num_splits=1, kv_pages=0, split_into=None):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -211,7 +215,13 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     fp32 partial results on the device, the sink applied there; None chooses S from the shapes
     (``split_kv.choose_splits``: 1 where the Q tiles already fill half the SMs). A split call is
     planned like an unsplit one (``call_plan.SplitPlan``: its count chosen once per signature,
-    fresh partial buffers each call; ``call_plan.last_splits`` reports the count).
+    fresh partial buffers each call; ``call_plan.last_splits`` reports the count). ``kv_pages``
+    (index mode, sm90): ``compressed_kv`` is a paged MODEL1 FP8 cache's bytes [1, pages, 1, page
+    bytes] (common/kv_cache.py), ``kv_pages`` tokens a page, an index naming slot
+    ``page * kv_pages + offset``; the kernel dequantizes what it gathers. ``split_into`` (o_part,
+    lse_part) (batched, no varlen): ``split_kv.partial_buffers``-shaped fp32 views of a larger
+    buffer; the call writes its S = o_part.shape[0] / batch splits there (S = 1 too) and merges
+    nothing, its caller merging them with others (``decode``'s two key lists: one exact merge).
 
     One straight line: the plan (a repeated signature replays it), the shapes of a
     variable-length call, the common checks (``check_call``), its offsets (``resolve_varlen``),
@@ -222,12 +232,14 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     plan_key = None
     # a call whose checks read tensor values (lengths, lists, positions) is validated every time
     plan_tensors = [learnable_sink, compressed_kv, topk_indices]
+    if split_into is not None:  # the caller's buffers, in the slots a split call's own take
+        plan_tensors += list(split_into)
     if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None:
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode,
-                               check_indices, num_splits)
+                               check_indices, num_splits, kv_pages, split_into is not None)
         plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
         if done is not None:
-            return done
+            return None if split_into is not None else done
     call_plan.note_splits(None)  # until this call launches (a call with no key launches nothing)
     compressed = compressed_kv is not None or compress_ratio is not None or topk_indices is not None
     if cu_seqlens_compressed is not None and not (varlen and compressed):
@@ -255,16 +267,19 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                          seqused_k=seqused_k, window=window, learnable_sink=learnable_sink,
                          compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
                          kv_start=kv_start, index_mode=index_mode, positions=positions,
-                         check_indices=check_indices, num_splits=num_splits, varlen=varlen_offsets)
+                         check_indices=check_indices, num_splits=num_splits, varlen=varlen_offsets,
+                         kv_pages=kv_pages, split_into=split_into)
     o4, lse4 = outputs(q, out, lse_out)
     result = (o, lse) if varlen else (o4, lse4)
     if k.shape[1] == 0:
         no_keys(o4, lse4)
         return result
-    if call.partials is not None:  # slots of the plan, allocated afresh by each planned call
+    if call.partials is not None and split_into is None:  # slots of the plan, allocated afresh by each planned call
         plan_tensors.extend(call.partials)
     launch(stage_id, kernels, arch, q, k, v, o4, lse4, scale, dict(call.options), call.tail,
            None if varlen else plan_key, plan_tensors)
+    if split_into is not None:
+        return None
     if call.partials is not None:
         call_plan.record_split(plan_key, call.splits)  # the kernel's plan (if any) becomes the split call's
         from dsv4_attention.common import split_kv
@@ -339,7 +354,7 @@ def resolve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, seqused_k, window, learnable_sink,
                   compressed_kv, compress_ratio, topk_indices, kv_start, index_mode, positions, check_indices,
-                  num_splits, varlen: VarlenOffsets | None) -> MaskedCall:
+                  num_splits, varlen: VarlenOffsets | None, kv_pages: int = 0, split_into=None) -> MaskedCall:
     """Check the masked stages' options against the (batched) inputs and the architecture, in
     order (kv_start, seqused_k, the sink, the packed group, positions, the compressed entries and
     their lists, the split count), and resolve the call: the kernel's compile-time options and
@@ -386,33 +401,45 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
     if compressed_kv is not None or compress_ratio is not None or topk_indices is not None:
         if topk_indices is not None and compressed_kv is None:
             raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
-        if varlen is None:  # varlen checked them first: its entry offsets need the ratio
+        n_entries = compressed_kv.shape[1]
+        if kv_pages:  # a paged FP8 cache's bytes (index_attention checked its layout): every slot a row
+            n_entries *= kv_pages
+            if arch != "sm90":
+                raise ValueError(f"a paged FP8 cache is read by the sm90 kernel only (this device is {arch}); "
+                                 "dequantize it (common/kv_cache.dequantize_kv_cache) and pass bf16 rows")
+        elif varlen is None:  # varlen checked them first: its entry offsets need the ratio
             check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
         if topk_indices is not None:
-            check_topk(topk_indices, q, compressed_kv.shape[1], group, m, arch,
+            check_topk(topk_indices, q, n_entries, group, m, arch,
                        entry_limits=None if varlen is None else varlen.entry_limits, check_values=check_indices)
         if compressed_kv.shape[1] > 0 and (topk_indices is None or topk_indices.shape[2] > 0):
             entries = (compressed_kv, compress_ratio, topk_indices)  # else: the window alone
             options["has_compressed"] = True
             if topk_indices is not None:
-                # any layout check_compressed took, but sm100's gather4 reads one 2D view of the rows
-                check_gather_layout(compressed_kv, arch)
+                if kv_pages:
+                    options["kv_pages"] = int(kv_pages)
+                else:  # any layout check_compressed took, but sm100's gather4 reads one 2D view of the rows
+                    check_gather_layout(compressed_kv, arch)
                 options["has_topk"] = True
                 if index_mode:  # the lists are every key (FlashMLA's sparse attention)
                     options["index_mode"] = True
-    splits = split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen is not None)
-    partials = None
-    if splits > 1:
+    if split_into is not None:  # the caller's share of a larger merge (``decode``'s two lists)
+        splits, partials = split_into[0].shape[0] // q.shape[0], tuple(split_into)
+    else:
+        splits = split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen is not None)
+        partials = None
+        if splits > 1:
+            partials = split_kv.partial_buffers(splits, tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1]),
+                                                q.device)
+    if partials is not None:
         options["split_kv"] = True  # the sink goes to the merge, not the kernel
-        partials = split_kv.partial_buffers(splits, tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1]),
-                                            q.device)
     elif learnable_sink is not None:
         options["has_sink"] = True
     ent = seams.Entries(entries[0], int(entries[1] or 0), entries[2], int(kv_start or 0), position_rows,
                         None if varlen is None or entries[0] is None else varlen.cu_compressed)
     if varlen is None:
         lengths = seams.Lengths(seqused_k)
-        sink = learnable_sink if splits == 1 else None
+        sink = learnable_sink if partials is None else None
     else:
         options["varlen"] = True
         lengths = seams.Lengths(None, varlen.cu_seqlens_q, varlen.cu_seqlens_k, int(varlen.max_seqlen_q))
@@ -420,7 +447,7 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
     tail = seams.tail(lengths, seams.Window(int(left or 0), int(right or 0)), sink, ent,
                       None if partials is None else seams.SplitParts(*partials, splits))
     return MaskedCall(arch, scale, tuple(sorted(options.items())), tail, splits, partials,
-                      learnable_sink if splits > 1 else None)
+                      learnable_sink if partials is not None else None)
 
 
 def split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen: bool) -> int:

@@ -44,8 +44,9 @@ def cutlass_dtype(dtype: torch.dtype, ints: bool = False):
         torch.float16: cutlass.Float16,
         torch.float32: cutlass.Float32,
     }
-    if ints:
+    if ints:  # kernel operands beside the 16-bit tensors: lists, lengths, a paged cache's bytes
         table[torch.int32] = cutlass.Int32
+        table[torch.uint8] = cutlass.Uint8
     return table[dtype]
 
 

@@ -79,6 +79,26 @@ class PageLayout:
         return self.data_bytes + t * TOKEN_SCALE_BYTES + tile
 
 
+def token_bytes(j, page_block_size: int, page_stride):
+    """(data, scales): the byte offsets, from the cache's first byte, of token ``j``'s 576 data
+    bytes and of its 8 scale bytes, in pages of ``page_block_size`` tokens ``page_stride`` bytes
+    apart (the module doc's layout). Plain integer arithmetic: the kernels that read the pages
+    call it on their runtime integers, the host proofs on Python ints."""
+    block, t = j // page_block_size, j % page_block_size
+    page = block * page_stride
+    return page + t * TOKEN_DATA_BYTES, page + page_block_size * TOKEN_DATA_BYTES + t * TOKEN_SCALE_BYTES
+
+
+def unit_bytes(chunk: int, unit):
+    """Where the 8 dims 64 ``chunk`` + 8 ``unit`` .. + 7 of a token (the kernels' 16-byte bf16
+    unit ``unit`` of column chunk ``chunk``) lie in its 576 data bytes: (offset, bytes, scale):
+    NoPE chunks 0-6 are 8 e4m3 bytes dequantized with scale byte ``scale`` (= the chunk: a scale
+    tile is one 64-column chunk), chunk 7 is 16 bytes of bf16 RoPE (scale None)."""
+    if chunk < TILES:
+        return chunk * TILE + unit * 8, 8, chunk
+    return NOPE_DIMS + unit * 16, 16, None
+
+
 def page_layout(page_block_size: int) -> PageLayout:
     if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or page_block_size < 1:
         raise ValueError(f"page_block_size must be a positive int; got {page_block_size!r}")

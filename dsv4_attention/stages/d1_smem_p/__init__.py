@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_attention.common import interface, jit
+from dsv4_attention.common import interface, jit, seams
 
 ID = "d1"
 NAME = "smem_p"
@@ -51,7 +51,7 @@ def forward(q, k, v, *, softmax_scale: float | None = None, out=None, lse_out=No
     if p_in_smem is not None:
         options["p_in_smem"] = bool(p_in_smem)
     return interface.attention_forward(ID, KERNELS, HEAD_DIMS, q, k, v, softmax_scale, out, lse_out,
-                                       options=options, tail=interface.no_mask_args(), plan=(p_in_smem,))
+                                       options=options, tail=seams.tail(), plan=(p_in_smem,))
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim) -> int:

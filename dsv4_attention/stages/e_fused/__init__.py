@@ -46,7 +46,7 @@ KERNELS = {
 DEMO_OPTIONS = {"kv_shared": True, "pack_group": 64, "has_left": True, "has_right": True, "has_sink": True,
                 "has_compressed": True}
 
-__all__ = ["forward", "index_attention", "flops"]
+__all__ = ["forward", "index_attention", "decode", "flops"]
 
 
 make_kernel = jit.kernel_maker(KERNELS)
@@ -120,6 +120,9 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
                     out=None, check_indices: bool = True, num_splits: int | None = 1):
     """Index mode: FlashMLA's ``flash_mla_sparse_fwd`` semantics on stage E's kernel. Query token t
     attends to the rows ``indices[t, 0, :topk_length[t]]`` of ``kv`` (-1 = none), its only keys.
+    ``kv`` may also be an inference engine's paged FP8 cache (MODEL1, common/kv_cache.py; sm90):
+    an index names slot ``block * page_block_size + offset``, and the kernel dequantizes each row
+    it gathers (no bf16 copy of the cache is made).
 
     The query heads must fill whole Q tiles: 64 or 128 (DeepSeek-V4-Flash and -Pro) on both archs
     (sm100 runs 64 heads one token a 128-row tile, rows 64 .. 127 computed, never stored). Unlike
@@ -129,7 +132,10 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
     Args:
         q: [tokens, heads, d] bf16/fp16; any layout the copy engines read (last dim contiguous,
             other strides multiples of 16 bytes, data 16-byte aligned), read in place.
-        kv: [rows, 1, d] K = V rows, same layout rule (its extent-1 middle stride is never read).
+        kv: [rows, 1, d] K = V rows, same layout rule (its extent-1 middle stride is never read);
+            or MODEL1 FP8 pages [num_blocks, page_block_size, 1, 584] float8_e4m3fn (or uint8),
+            each page's bytes contiguous, pages 16-byte aligned (``kv_cache.quantize_kv_cache``'s
+            form), with bf16 q at head dim 512.
         indices: [tokens, 1, k] int32, -1 padded, any layout (copied into the kernel's form).
         topk_length: [tokens] int32 in [0, k] (default k): each token's list length.
         attn_sink: [heads] fp32 or None: O *= sigmoid(LSE - sink[h]).
@@ -149,6 +155,17 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
         NotDifferentiableError: under grad mode, an input that requires grad.
     """
     refuse_grad("index_attention", q=q, kv=kv, attn_sink=attn_sink)
+    kv, kv_pages, idx = index_source(q, kv, indices, topk_length, check_indices)
+    return index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indices, num_splits)
+
+
+def index_source(q, kv, indices, topk_length, check_indices):
+    """Index mode's checked source: (kv as the kernel reads it, its page size or 0, the lists
+    [1, tokens, k] with positions past ``topk_length`` made -1). bf16 rows [rows, 1, d] stay
+    themselves; a paged FP8 cache becomes its bytes [pages, 1, page bytes] (``paged_source``)."""
+    kv_pages = 0
+    if isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.element_size() == 1:
+        kv, kv_pages = paged_source(q, kv)
     for name, t, dim in (("q", q, 3), ("kv", kv, 3), ("indices", indices, 3)):
         if not isinstance(t, torch.Tensor) or t.dim() != dim:
             raise ValueError(f"{name} must be a rank-{dim} torch.Tensor; got "
@@ -169,26 +186,158 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
             if lo < 0 or hi > k:
                 raise ValueError(f"topk_length values must lie in [0, k = {k}]; got min {lo}, max {hi}")
         idx = torch.where(torch.arange(k, device=idx.device)[None] < topk_length[:, None], idx, -1)
-    idx = idx.contiguous()[None]
+    return kv, kv_pages, idx.contiguous()[None]
+
+
+def index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indices, num_splits, split_into=None):
+    """Index mode on ``index_source``'s operands: (o, lse [tokens, heads]); with ``split_into``
+    (decode's share of a merge: fp32 partial views) the splits are written there and None is
+    returned. A paged cache's kernel (``kv_pages``) takes a one-row stand-in as its K operand:
+    index mode loads no window tile (the descriptor is built all the same)."""
     if idx.shape[2] == 0 or kv.shape[0] == 0:  # no key for any token: decided without a launch
+        if split_into is not None:
+            split_into[0].zero_()
+            split_into[1].fill_(-math.inf)
+            return None
         o = torch.zeros_like(q) if out is None else out.zero_()
         return o, torch.full((q.shape[0], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
     # read in place, any layout the copy engines read (FlashMLA's test passes views into padded
     # buffers): q's token and head strides, kv's row stride 16-byte multiples, rows contiguous
     check_readable("q", q, ("token", "head", "d"))
-    check_readable("kv", kv, ("row", "kv head", "d"), skip=(1,))
-    # [1, rows, 1, d] over kv's own memory (no copy); an extent-1 dim, never stepped, of a stride TMA
-    # cannot take is given the row stride
-    kv4 = kv[None]
-    if (kv.stride(1) * kv.element_size()) % 16:
-        rows, row_stride = kv.shape[0], kv.stride(0)
-        kv4 = kv.as_strided((1, rows, 1, kv.shape[2]), (rows * row_stride, row_stride, row_stride, 1))
-    o, lse = interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q[None], kv4, kv4, softmax_scale,
-                                                None if out is None else out[None], None,
-                                                tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=kv4,
-                                                compress_ratio=1, topk_indices=idx, index_mode=True,
-                                                check_indices=check_indices, num_splits=num_splits)
-    return o[0], lse[0].transpose(0, 1)
+    if kv_pages:
+        k = _STAND_IN.get(q.device)
+        if k is None:
+            k = _STAND_IN[q.device] = torch.zeros(1, 1, 1, q.shape[2], dtype=q.dtype, device=q.device)
+        entries = kv[None]
+    else:
+        check_readable("kv", kv, ("row", "kv head", "d"), skip=(1,))
+        # [1, rows, 1, d] over kv's own memory (no copy); an extent-1 dim, never stepped, of a stride
+        # TMA cannot take is given the row stride
+        k = kv[None]
+        if (kv.stride(1) * kv.element_size()) % 16:
+            rows, row_stride = kv.shape[0], kv.stride(0)
+            k = kv.as_strided((1, rows, 1, kv.shape[2]), (rows * row_stride, row_stride, row_stride, 1))
+        entries = k
+    res = interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q[None], k, k, softmax_scale,
+                                             None if out is None else out[None], None,
+                                             tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=entries,
+                                             compress_ratio=1, topk_indices=idx, index_mode=True,
+                                             check_indices=check_indices, num_splits=num_splits, kv_pages=kv_pages,
+                                             split_into=split_into)
+    if res is None:
+        return None
+    return res[0][0], res[1][0].transpose(0, 1)
+
+
+_STAND_IN: dict = {}
+
+
+def paged_source(q, cache):
+    """A paged FP8 cache as index mode's kernel reads it: (its bytes as [pages, 1, page bytes]
+    uint8 over the cache's own memory, tokens a page), after the checks the gather relies on."""
+    from dsv4_attention.common import kv_cache
+
+    lay = kv_cache.check_fp8_cache(cache, "kv")
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != 512:
+        raise ValueError("a paged FP8 kv needs bf16 q [tokens, heads, 512] (MODEL1 rows are 512 dims); got "
+                         f"{(q.dtype, tuple(q.shape)) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if cache.device != q.device:
+        raise ValueError(f"kv must be on {q.device} like q; got {cache.device}")
+    nb, stride = cache.shape[0], cache.stride(0)
+    if cache.data_ptr() % 16 or (nb > 1 and stride % 16):
+        raise ValueError(f"kv's pages must start 16-byte aligned; got data at {cache.data_ptr() % 16} mod 16, page "
+                         f"stride {stride} bytes")
+    raw = torch.as_strided(cache.view(torch.uint8), (nb, 1, lay.used_bytes), (stride, stride, 1))
+    return raw, lay.tokens
+
+
+def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None,
+           extra_topk_length=None, softmax_scale: float | None = None, check_indices: bool = True,
+           num_splits: int | None = None):
+    """DeepSeek-V4's sparse decode from an inference engine's paged caches: FlashMLA's
+    ``flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta, None, softmax_scale, False,
+    True, indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length)``.
+
+    Token (b, s) of q attends, in one softmax with the sink, to the cache slots
+    ``indices[b, s, :topk_length[b]]`` of ``k_cache`` (the window) and
+    ``extra_indices[b, s, :extra_topk_length[b]]`` of ``extra_k_cache`` (the compressed entries),
+    -1 naming none. Each list runs as index mode (``index_attention``) into fp32 partial results,
+    split over the SMs where the batch is small, and one merge adds them exactly and applies the
+    sink (common/split_kv.py): the union's softmax, not a merge of rounded halves.
+
+    Args:
+        q: [batch, s_q, heads, 512] bf16 (heads 64 or 128; s_q 1-2 in decode, any).
+        k_cache: MODEL1 FP8 pages [num_blocks, page_block_size, 1, 584] (common/kv_cache.py), or
+            bf16 pages [num_blocks, page_block_size, 1, 512] (read in place when contiguous).
+        indices: [batch, s_q, topk] int32, ``block * page_block_size + offset``, -1 padded.
+        topk_length: [batch] int32 in [0, topk] or None (all of them).
+        attn_sink: [heads] fp32 or None: O *= sigmoid(LSE - sink[h]).
+        extra_k_cache, extra_indices, extra_topk_length: the second cache and its lists, alike
+            (its own page size), or None.
+        softmax_scale: default 512 ** -0.5.
+        check_indices: as ``index_attention``'s (False: no host read of the lists or lengths).
+        num_splits: splits of each list's keys (None: chosen from the shapes).
+
+    Returns:
+        (out [batch, s_q, heads, 512] bf16, lse [batch, heads, s_q] fp32): natural log, without
+        the sink; O = 0 and LSE = -inf for a token with no valid index (FlashMLA: +inf).
+
+    Raises:
+        ValueError: before any launch, naming the argument.
+        NotDifferentiableError: under grad mode, an input that requires grad.
+    """
+    from dsv4_attention.common import split_kv
+    from dsv4_attention.common.arch import arch_of_device
+    from dsv4_attention.common.persistent import device_sms
+    from dsv4_attention.common.validation import check_sink
+
+    refuse_grad("decode", q=q, k_cache=k_cache, extra_k_cache=extra_k_cache, attn_sink=attn_sink)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be [batch, s_q, heads, 512]; got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    b, s_q, h, d = q.shape
+    if d != 512 or q.dtype != torch.bfloat16:
+        raise ValueError(f"q must be bf16 with head dim 512; got {q.dtype}, head dim {d}")
+    if (extra_k_cache is None) != (extra_indices is None) or (extra_topk_length is not None and extra_indices is None):
+        raise ValueError("extra_k_cache and extra_indices go together (extra_topk_length with them)")
+    if q.is_cuda and arch_of_device(q.device) != "sm90":
+        raise ValueError(f"decode runs on sm90 (its split partials and the FP8 gather are built there); this "
+                         f"device is {arch_of_device(q.device)}: dequantize the cache and call index_attention")
+    if attn_sink is not None:
+        check_sink(attn_sink, h, q.device)
+    tokens = q.reshape(b * s_q, h, d)
+    sources = []
+    for name, cache, lists, length in (("indices", k_cache, indices, topk_length),
+                                       ("extra_indices", extra_k_cache, extra_indices, extra_topk_length)):
+        if cache is None:
+            continue
+        if not isinstance(lists, torch.Tensor) or lists.dim() != 3 or tuple(lists.shape[:2]) != (b, s_q):
+            raise ValueError(f"{name} must be [batch = {b}, s_q = {s_q}, topk]; got "
+                             f"{tuple(lists.shape) if isinstance(lists, torch.Tensor) else type(lists).__name__}")
+        if length is not None:
+            if not isinstance(length, torch.Tensor) or tuple(length.shape) != (b,):
+                raise ValueError(f"{name}'s length must be a [batch] = ({b},) int32 tensor")
+            length = length.repeat_interleave(s_q)
+        if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.element_size() == 2:
+            from dsv4_attention.common.kv_cache import cache_rows
+
+            cache = cache_rows(cache)  # bf16 pages: the rows an index names
+        kv, kv_pages, idx = index_source(tokens, cache, lists.reshape(b * s_q, 1, lists.shape[2]), length,
+                                         check_indices)
+        sources.append((kv, kv_pages, idx))
+    sms = device_sms() if q.is_cuda else 1
+    counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms) if num_splits is None
+              else split_kv.check_num_splits(num_splits, True, False, "sm90") for _, _, idx in sources]
+    o_part, lse_part = split_kv.partial_buffers(sum(counts), (1, b * s_q, h, d), (1, h, b * s_q), q.device)
+    first = 0
+    for (kv, kv_pages, idx), n in zip(sources, counts, strict=True):
+        index_launch(tokens, kv, kv_pages, idx, None, softmax_scale, None, check_indices, n,
+                     split_into=(o_part[first:first + n], lse_part[first:first + n]))
+        first += n
+    o = torch.empty(1, b * s_q, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(1, h, b * s_q, dtype=torch.float32, device=q.device)
+    split_kv.combine(o_part, lse_part, o, lse, attn_sink)
+    return o.view(b, s_q, h, d), lse.view(h, b, s_q).permute(1, 0, 2)
 
 
 def compressed_pairs(seqlen_q: int, seqlen_k: int, ratio: int, entries: int) -> int:

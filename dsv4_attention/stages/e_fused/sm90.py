@@ -43,6 +43,7 @@ from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit,
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP, make_tma_tile_atom
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, chunk_views, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
+from dsv4_attention.stages.e_fused.sm90_pages import PagedFp8Gather
 
 GATHER_BYTES = ROW_UNIT_BYTES  # one cp.async: 8 bf16 columns of a row
 UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte row
@@ -87,11 +88,11 @@ class EntrySources(NamedTuple):
     warp_idx: Any
 
 
-class FlashAttentionESm90(FlashAttentionD5Sm90):
+class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
-                 index_mode: bool = False, has_positions: bool = False, **options):
+                 index_mode: bool = False, has_positions: bool = False, kv_pages: int = 0, **options):
         super().__init__(dtype, head_dim, **options)
-        set_options(self, self.tile_m, has_compressed, has_topk, index_mode, has_positions)
+        set_options(self, self.tile_m, has_compressed, has_topk, index_mode, has_positions, kv_pages=kv_pages)
         if self.has_topk:
             # every producer thread gathers rows; each chunk's full barrier counts all of them
             self.producer_warps = THREADS_PER_WARPGROUP // 32
@@ -102,6 +103,12 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             # per consumer thread pay for it (setmaxnreg: 64K per CTA)
             self.consumer_regs -= 16
             self.producer_regs += 16 * self.num_wg
+            if self.kv_pages and not self.split_kv:
+                # the dequantizing gather keeps each row's address and scale words: at 56 registers
+                # ptxas spilled 48 bytes. Split-KV's consumers spill at 216 (its partial stores),
+                # so there the producer keeps 56 and its spill (tests/test_e_cpu.py's budget)
+                self.consumer_regs -= 8
+                self.producer_regs += 8 * self.num_wg
 
     # ---- the entries seam (stage D1's hooks) ----
 
@@ -110,8 +117,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
             return None
         atom = view = mem = None
         if cutlass.const_expr(self.has_compressed):  # K's chunked box: the tiles share the ring
-            mem = seq_major(entries.compressed)
-            atom, view = make_tma_tile_atom(load_op, mem, chunk_layout, self.tile_n, CHUNK_COLS)
+            mem = seq_major(entries.compressed)  # kv_pages: (pages, bytes, 1, 1), read by address only
+            if cutlass.const_expr(not self.kv_pages):
+                atom, view = make_tma_tile_atom(load_op, mem, chunk_layout, self.tile_n, CHUNK_COLS)
         return EntryOperands(atom, view, entries.ratio, entries.topk, mem, entries.kv_start, entries.positions,
                              entries.cu_seqlens_c)
 
@@ -120,7 +128,7 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
 
     @cute.jit
     def prefetch_entries(self, entries):
-        if cutlass.const_expr(self.has_compressed):
+        if cutlass.const_expr(self.has_compressed and not self.kv_pages):
             cpasync.prefetch_descriptor(entries.atom)
 
     def request_entries(self, request, b, entries, lengths):
@@ -134,7 +142,9 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         topk = count = None
         if cutlass.const_expr(e.mTopk is not None):
             topk = e.mTopk[b, None, None]
-        if cutlass.const_expr(e.mC is not None):
+        if cutlass.const_expr(self.kv_pages):  # every slot of every page
+            count = e.mC_mem.shape[0] * self.kv_pages
+        elif cutlass.const_expr(e.mC is not None):
             count = e.mC.shape[0]
         return RequestEntries(e.atom, e.mC, e.mC_mem, count, topk, positions_row(e.mPositions, b), e.ratio,
                               e.kv_start)
@@ -143,6 +153,8 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         if cutlass.const_expr(not self.has_compressed):
             return None
         e = req.entries
+        if cutlass.const_expr(self.kv_pages):
+            return (None, None, e.mC_mem[None, None, head_kv, b])
         return (e.atom, e.mC[None, None, head_kv, b], e.mC_mem[None, None, head_kv, b])
 
     def stage_words_view(self, words):
@@ -158,6 +170,8 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
         if cutlass.const_expr(not self.has_compressed):
             return None
         atom, mC_hb, mC_mem_hb = tile.entries
+        if cutlass.const_expr(self.kv_pages):  # gathered by address only
+            return EntrySources(None, None, smem.ring_base, mC_mem_hb, warp_idx)
         _, tCgC = chunk_views(atom, mC_hb, smem.sK, self.tile_n)
         return EntrySources(atom, tCgC, smem.ring_base, mC_mem_hb, warp_idx)
 
@@ -197,7 +211,10 @@ class FlashAttentionESm90(FlashAttentionD5Sm90):
     def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, sources, half=None):
         if cutlass.const_expr(self.has_topk):  # all four producer warps run this
             if n < span.n_cmp:
-                self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
+                if cutlass.const_expr(self.kv_pages):
+                    self.gather_fp8_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
+                else:
+                    self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
             elif sources.warp_idx == 0:
                 ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
             else:

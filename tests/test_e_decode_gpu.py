@@ -1,0 +1,205 @@
+"""Serving (issue 43) on a GPU: ``e_fused.decode`` and ``index_attention`` reading an inference
+engine's paged FP8 cache (common/kv_cache.py's MODEL1 layout) with the kernel's dequantizing
+gather, against the float64 reference on the dequantized cache: FlashMLA's decode shapes (64 /
+128 heads, s_q 1-2, a window list in pages of 256 and an extra list in pages of 64 or 2 with
+its lengths), random page tables, -1 padding, lengths of 0 and of the full list, tokens with no
+valid key, sinks of +-inf, NaN in every unused cache slot (never read), the dequantization bit
+for bit at the ends of ue8m0's range, CUDA-graph replay, bitwise repeatability, FlashMLA's own
+FP8 decode on the same caches (where the peer is installed), bad input refused before launch."""
+
+import pytest
+import torch
+
+from dsv4_attention.common import kv_cache as kc
+from dsv4_attention.common.reference import dsv4_index_attention
+from dsv4_attention.common.testing import (
+    LSE_ABS,
+    O_REL,
+    errors,
+    fresh_generator,
+    gpu_arch_params,
+    random_index_lists,
+    sinks_with_infinities,
+)
+from dsv4_attention.stages import e_fused as stage
+
+pytestmark = [pytest.mark.stage_e]
+
+# the FP8 gather and decode's split partials are built on sm90; sm100 refuses them by name
+# (test_e_cpu.py) until its gather is written
+ARCHS = [p for p in gpu_arch_params() if p.values[0] == "sm90"]
+
+
+def paged_cache(batch: int, s_q: int, tokens: int, page: int, topk: int, g, length=None):
+    """One cache as an engine keeps it (FlashMLA's test's generator): each request's ``tokens``
+    tokens on pages of a shuffled table, the ``topk`` lists of its s_q tokens drawn from them
+    (-1 padded), every slot no list uses set to NaN before quantizing. Returns (fp8 cache, its
+    dequantized rows [slots, 512] with NaN kept, lists [batch, s_q, topk])."""
+    pages_per = -(-tokens // page)
+    table = torch.randperm(batch * pages_per, generator=g).int().view(batch, pages_per)
+    bf16 = (torch.randn(batch * pages_per, page, 1, 512, generator=g) / 4).to(torch.bfloat16)
+    logical = torch.stack([random_index_lists(s_q, topk, tokens, g, pad=0.1) for _ in range(batch)])
+    idx = kc.cache_indices(logical, table, page)
+    used = idx.clone()
+    if length is not None:
+        used[torch.arange(topk)[None, None] >= length[:, None, None].expand_as(used)] = -1
+    unused = torch.ones(batch * pages_per * page, dtype=torch.bool)
+    unused[used[used >= 0].long()] = False
+    bf16.view(-1, 512)[unused] = float("nan")
+    fp8 = kc.quantize_kv_cache(bf16.cuda())
+    return fp8, kc.dequantize_kv_cache(fp8).view(-1, 512), idx.cuda()
+
+
+def reference(q, sources, sink):
+    """FlashMLA's decode function in float64 through the spec's index-list form: both caches'
+    dequantized rows as one pool (unused NaN slots zeroed: never listed), each token's two lists
+    (cut at their lengths) as one list into it."""
+    b, s_q, h, d = q.shape
+    pools, lists, base = [], [], 0
+    for rows, idx, length in sources:
+        if length is not None:
+            cut = torch.arange(idx.shape[2], device=idx.device)[None, None] >= length[:, None, None].cuda()
+            idx = torch.where(cut, -1, idx)
+        lists.append(torch.where(idx >= 0, idx + base, -1))
+        pools.append(torch.nan_to_num(rows.float(), nan=0.0))
+        base += rows.shape[0]
+    lst = torch.cat(lists, dim=2).reshape(b * s_q, -1)
+    full = torch.full((b * s_q,), lst.shape[1], dtype=torch.int32, device=q.device)
+    o, lse = dsv4_index_attention(q.reshape(b * s_q, h, d), torch.cat(pools), lst, full, sink)
+    return o.view(b, s_q, h, d), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def _peer():
+    try:
+        import flashmla_peer  # pyright: ignore[reportMissingImports] (the device pack's FlashMLA)
+    except ImportError:
+        return None
+    return flashmla_peer
+
+
+# (heads, s_q, window topk in pages of 256, extra topk, extra page size, extra lengths): FlashMLA's
+# MODEL1 CONFIG1-4 shapes at small batch, and a window-only step of one token
+CASES = [(64, 2, 128, 512, 64, False), (128, 2, 128, 1024, 64, False), (64, 2, 128, 1024, 2, True),
+         (128, 1, 128, 0, 0, False)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-sq{c[1]}-top{c[2]}+{c[3]}p{c[4]}{'-len' * c[5]}")
+@pytest.mark.parametrize("batch", [3, 9])
+def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, record_errors):
+    heads, s_q, topk, ex_topk, ex_page, ex_len = case
+    g = fresh_generator()
+    length = torch.randint(0, topk + 1, (batch,), generator=g).int()
+    length[:2] = torch.tensor([0, topk])  # a request whose window list is cut to nothing, one full
+    win, win_rows, win_idx = paged_cache(batch, s_q, 700, 256, topk, g, length)
+    sources = [(win_rows, win_idx, length)]
+    kw = {"topk_length": length.cuda()}
+    if ex_topk:
+        ex_length = torch.randint(0, ex_topk + 1, (batch,), generator=g).int() if ex_len else None
+        if ex_length is not None:
+            ex_length[:2] = torch.tensor([0, ex_topk])  # request 0: no key at all (both lists cut to 0)
+        ext, ext_rows, ext_idx = paged_cache(batch, s_q, ex_topk + 300, ex_page, ex_topk, g, ex_length)
+        sources.append((ext_rows, ext_idx, ex_length))
+        kw.update(extra_k_cache=ext, extra_indices=ext_idx,
+                  extra_topk_length=None if ex_length is None else ex_length.cuda())
+    q = (torch.randn(batch, s_q, heads, 512, generator=g)).to(torch.bfloat16).cuda()
+    sink = sinks_with_infinities(heads, g)
+    o, lse = stage.decode(q, win, win_idx, attn_sink=sink, **kw)
+    o_ref, lse_ref = reference(q, sources, sink)
+    e = errors(o, o_ref)
+    record_errors(e, arch=arch, case="decode fp8 pages", heads=heads, s_q=s_q, topk=f"{topk}+{ex_topk}", batch=batch)
+    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+    assert not torch.isnan(o).any()
+    empty = torch.isneginf(lse_ref)
+    assert bool(torch.isneginf(lse[empty]).all()) and bool((o.transpose(1, 2)[empty] == 0).all())
+    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+    o2, lse2 = stage.decode(q, win, win_idx, attn_sink=sink, **kw)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)  # bitwise repeatable
+    fm = _peer()
+    if fm is not None:  # FlashMLA's own FP8 decode on the same caches (its LSE: +inf on empty rows)
+        o_p, lse_p = fm.with_kvcache_sparse(q, win, win_idx, length.cuda(), sink, kw.get("extra_k_cache"),
+                                            kw.get("extra_indices"), kw.get("extra_topk_length"))
+        e = errors(o, o_p.double())
+        assert e.within(2 * O_REL[torch.bfloat16], 6 * O_REL[torch.bfloat16]), e
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("page", [64, 2])
+def test_dequantization_is_exact_at_the_ends_of_the_scale_range(arch, page):
+    """q = 0 and one listed token a query: P = 1, so O is that token's row as the kernel
+    dequantized it, bit for bit against ``dequantize_kv_cache``: scale bytes 0 (2^-127), 1, 126,
+    127, 128, 253 and 254 (2^127) with e4m3 values that keep every product a normal bf16, every
+    unit of every chunk (RoPE too). A token whose list is -1: O = 0, LSE = -inf."""
+    g = fresh_generator()
+    slots = 6 * page if page > 2 else 96
+    nb = slots // page
+    # built on the GPU: a copy there would pack the pages (their stride is padded to 576 bytes)
+    cache = kc.quantize_kv_cache(torch.zeros(nb, page, 1, 512, dtype=torch.bfloat16, device="cuda"))
+    lay = kc.page_layout(page)
+    raw = torch.as_strided(cache.view(torch.uint8), (nb, lay.page_bytes), (cache.stride(0), 1))
+    byte_choices = torch.tensor([0, 1, 126, 127, 128, 253, 254])
+    for t in range(page):
+        data = raw[:, 576 * t:576 * t + 448]
+        e = byte_choices[torch.randint(0, 7, (nb, 7), generator=g)]
+        # |e4m3| in [2, 3.75] under byte 0, [1, 1.875] under 254 (bf16's max is 2^128 (1 - 2^-8))
+        mags = torch.where(e[..., None] == 0, 2.0, 1.0) * (1 + torch.randint(0, 8, (nb, 7, 64), generator=g) / 8)
+        mags = torch.where(e[..., None] == 254, mags.clamp(max=1.875), mags)
+        signs = torch.where(torch.rand(nb, 7, 64, generator=g) < 0.5, -1.0, 1.0)
+        data.copy_((mags * signs).to(torch.float8_e4m3fn).view(torch.uint8).view(nb, 448).cuda())
+        raw[:, lay.data_bytes + 8 * t:lay.data_bytes + 8 * t + 7] = e.to(torch.uint8).cuda()
+        rope = (torch.randn(nb, 64, generator=g) * 100).to(torch.bfloat16)
+        raw[:, 576 * t + 448:576 * t + 576] = rope.view(torch.uint8).view(nb, 128).cuda()
+    rows = kc.dequantize_kv_cache(cache).view(-1, 512)
+    assert torch.isfinite(rows.float()).all()
+    tokens = slots + 1
+    idx = torch.full((tokens, 1, 64), -1, dtype=torch.int32)
+    idx[:slots, 0, 5] = torch.randperm(slots, generator=g).int()  # one listed token each, mid-list
+    q = torch.zeros(tokens, 64, 512, dtype=torch.bfloat16, device="cuda")
+    o, lse = stage.index_attention(q, cache, idx.cuda())
+    want = rows[idx[:slots, 0, 5].long().cuda()]
+    assert torch.equal(o[:slots], want[:, None].expand(-1, 64, -1))
+    assert bool((o[slots:] == 0).all()) and bool(torch.isneginf(lse[slots:]).all())
+    assert bool((lse[:slots] == 0).all())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_replays_in_a_cuda_graph(arch):
+    """A decode step captured once (check_indices=False: no host read) and replayed after the
+    caches and q change in place gives the eager call's bits."""
+    g = fresh_generator()
+    batch, s_q, heads = 4, 2, 64
+    win, _, win_idx = paged_cache(batch, s_q, 600, 256, 128, g)
+    ext, _, ext_idx = paged_cache(batch, s_q, 800, 64, 512, g)
+    q = torch.randn(batch, s_q, heads, 512, generator=g).to(torch.bfloat16).cuda()
+    sink = torch.randn(heads, generator=g).cuda()
+    kw = {"attn_sink": sink, "extra_k_cache": ext, "extra_indices": ext_idx, "check_indices": False}
+    stage.decode(q, win, win_idx, **kw)  # compiles and plans outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = stage.decode(q, win, win_idx, **kw)
+    fresh = (torch.randn(win.shape[0], win.shape[1], 1, 512, generator=g) / 4).to(torch.bfloat16)
+    win.copy_(kc.quantize_kv_cache(fresh.cuda()))  # new rows in every slot, the same layout
+    q.copy_(torch.randn(batch, s_q, heads, 512, generator=g).to(torch.bfloat16).cuda())
+    graph.replay()
+    o, lse = stage.decode(q, win, win_idx, **kw)
+    assert torch.equal(o_g, o) and torch.equal(lse_g, lse)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_refuses_bad_input(arch):
+    g = fresh_generator()
+    win, _, idx = paged_cache(2, 2, 300, 64, 64, g)
+    q = torch.zeros(2, 2, 64, 512, dtype=torch.bfloat16, device="cuda")
+    slots = win.shape[0] * win.shape[1]
+    squeezed = torch.as_strided(win, (win.shape[0] - 1,) + tuple(win.shape[1:]),
+                                (kc.page_layout(64).page_bytes - 576,) + tuple(win.stride()[1:]))
+    cases = [((q, win, idx + slots), {}, "values"), ((q.half(), win, idx), {}, "bf16"),
+             ((q[..., :256], win, idx), {}, "512"), ((q, win.view(torch.uint8)[..., :576], idx), {}, "584"),
+             ((q, squeezed, idx), {}, "apart"), ((q, win, idx[:, :1]), {}, "s_q"),
+             ((q, win, idx), {"topk_length": torch.full((2,), 65, dtype=torch.int32, device="cuda")}, "topk_length"),
+             ((q, win, idx), {"extra_k_cache": win}, "together"),
+             ((q, win, idx), {"attn_sink": torch.zeros(3, device="cuda")}, "sink")]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            stage.decode(*args, **kw)
+
