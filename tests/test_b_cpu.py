@@ -3,19 +3,14 @@
 import pytest
 import torch
 
-from dsv4_attention.common.compile import assert_within_budget
+from dsv4_attention.common.testing import compile_budget_test
 from dsv4_attention.stages import b_p_onchip as stage
 
 pytestmark = [pytest.mark.stage_b]
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("arch", ["sm90", "sm100"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
-def test_compiles_within_budget(arch, dtype, head_dim):
-    # sm100: S (128 columns, P aliased inside it) + O (head_dim columns), rounded to a power of two
-    assert_within_budget("b", arch, dtype, head_dim, min_tmem_columns=128 + head_dim)
+# sm100: S (128 columns, P aliased inside it) + O (head_dim columns), rounded to a power of two
+test_compiles_within_budget = compile_budget_test("b", stage.HEAD_DIMS, lambda d: 128 + d)
 
 
 def qkv(sk=8, d=64, dtype=torch.bfloat16):

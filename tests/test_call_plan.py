@@ -30,20 +30,27 @@ def bshd(b, s, h, d, offset=0):
     return t[offset:].view(b, s, h, d)
 
 
-def same_args(a, b) -> bool:
-    """The same tensors (by identity) and values (with their types), the seams' bundles field by field."""
+def same_args(a, b, same=lambda x, y: x is y) -> bool:
+    """The same tensors (by identity, or as ``same`` compares them) and values (with their types),
+    the seams' bundles field by field."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):
         if isinstance(x, tuple) and isinstance(y, tuple):
-            if type(x) is not type(y) or not same_args(x, y):
+            if type(x) is not type(y) or not same_args(x, y, same):
                 return False
         elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if x is not y:
+            if not same(x, y):
                 return False
         elif not (x == y and type(x) is type(y)):
             return False
     return True
+
+
+def same_view(x, y) -> bool:
+    """Two tensors over the same memory with the same shape, strides and dtype."""
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.data_ptr() == y.data_ptr()
+            and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype)
 
 
 def inputs(kind):
@@ -69,18 +76,25 @@ def fresh_like(args, kw):
     return (bshd(*q.shape), k2, v2), kw2
 
 
+def planned_and_full(call, kernel, args, kw):
+    """(what ``call(*args, **kw)``, a planned call, handed the kernel; what the full path hands it
+    for the same tensors and outputs; the outputs)."""
+    o, lse = call(*args, **kw)
+    planned = kernel[-1]
+    call_plan.clear()
+    call(*args, **kw, out=o, lse_out=lse)
+    return planned, kernel[-1], o, lse
+
+
 @pytest.mark.parametrize("kind", ["plain", "kv_shared", "window_sink", "compressed"])
 def test_a_planned_call_hands_the_kernel_what_the_full_path_does(kernel, kind):
     args, kw = inputs(kind)
     e_fused.forward(*args, **kw)
     assert call_plan.size() == 1
     args2, kw2 = fresh_like(args, kw)
-    o, lse = e_fused.forward(*args2, **kw2)  # planned: the same signature
-    planned = kernel[-1]
+    planned, full, o, lse = planned_and_full(e_fused.forward, kernel, args2, kw2)  # planned: the same signature
     assert planned[3] is o and planned[4] is lse and o.shape == args2[0].shape and lse.shape == (2, 8, 100)
-    call_plan.clear()
-    e_fused.forward(*args2, **kw2, out=o, lse_out=lse)  # the full path, on the same tensors and outputs
-    assert same_args(planned, kernel[-1]), (planned[5:], kernel[-1][5:])
+    assert same_args(planned, full), (planned[5:], full[5:])
 
 
 def test_the_comparison_rejects_a_plan_that_keeps_the_first_calls_tensor(kernel):
@@ -91,12 +105,8 @@ def test_the_comparison_rejects_a_plan_that_keeps_the_first_calls_tensor(kernel)
     (plan,) = call_plan._PLANS.values()
     first_sink = kw["learnable_sink"]
     plan.tail, plan.slots = [first_sink if i == plan.slots[0][0] else a for i, a in enumerate(plan.tail)], ()
-    args2, kw2 = fresh_like(args, kw)
-    o, lse = e_fused.forward(*args2, **kw2)
-    planned = kernel[-1]
-    call_plan.clear()
-    e_fused.forward(*args2, **kw2, out=o, lse_out=lse)
-    assert not same_args(planned, kernel[-1])
+    planned, full, _, _ = planned_and_full(e_fused.forward, kernel, *fresh_like(args, kw))
+    assert not same_args(planned, full)
 
 
 def test_stages_c_and_d1_are_planned_too(kernel):
@@ -165,12 +175,9 @@ def test_the_entry_hands_the_kernel_what_the_full_path_does(kernel, kind):
     args2, kw2 = fresh_like(args[:2] + (args[1] if args[2] is None else args[2],), kw)
     if args[2] is None:
         args2 = args2[:2] + (None,)
-    o, lse = dsv4_attention.attention(*args2, **kw2)  # the entry's plan
-    planned = kernel[-1]
+    planned, full, o, lse = planned_and_full(dsv4_attention.attention, kernel, args2, kw2)  # the entry's plan
     assert planned[3] is o and planned[4] is lse
-    call_plan.clear()
-    dsv4_attention.attention(*args2, **kw2, out=o, lse_out=lse)  # the full path on the same tensors
-    assert same_args(planned, kernel[-1]), (planned[5:], kernel[-1][5:])
+    assert same_args(planned, full), (planned[5:], full[5:])
 
 
 def test_the_entry_comparison_rejects_another_signatures_plan(kernel):
@@ -182,12 +189,8 @@ def test_the_entry_comparison_rejects_another_signatures_plan(kernel):
     dsv4_attention.attention(*args, **kw)
     (key,) = [key for key, plan in call_plan._ENTRY.items() if plan is not wrong]
     call_plan._ENTRY[key] = wrong
-    args2, kw2 = fresh_like(args, kw)
-    o, lse = dsv4_attention.attention(*args2, **kw2)
-    planned = kernel[-1]
-    call_plan.clear()
-    dsv4_attention.attention(*args2, **kw2, out=o, lse_out=lse)
-    assert not same_args(planned, kernel[-1])
+    planned, full, _, _ = planned_and_full(dsv4_attention.attention, kernel, *fresh_like(args, kw))
+    assert not same_args(planned, full)
 
 
 def test_the_entry_still_refuses_bad_input_after_a_good_call(kernel):
@@ -336,23 +339,6 @@ def test_a_split_plan_keeps_no_tensor_of_the_call_alive(kernel):
     assert call_plan.size() == 1 and all(r() is None for r in refs)
 
 
-def same_views(a, b) -> bool:
-    """``same_args`` with tensors compared as views: the same memory, shape, strides and dtype."""
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, tuple) and isinstance(y, tuple):
-            if type(x) is not type(y) or not same_views(x, y):
-                return False
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.data_ptr() == y.data_ptr()
-                    and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype):
-                return False
-        elif not (x == y and type(x) is type(y)):
-            return False
-    return True
-
-
 def decode_case():
     """A decode step over two MODEL1 FP8 caches (pages of 64 and of 2): 2 requests x 2 tokens x 64
     heads, each token's 64 + 128 listed slots."""
@@ -389,8 +375,8 @@ def test_a_decode_step_is_planned_once_its_lists_are_the_engines(kernel, monkeyp
     call_plan.clear()
     e_fused.decode(q, win, idx, **kw)  # the full path on the same tensors
     for p_args, f_args in zip(planned, kernel[-2:], strict=True):  # decode's views are new each step
-        assert same_views(without_partials(p_args)[:3] + without_partials(p_args)[5:],
-                          without_partials(f_args)[:3] + without_partials(f_args)[5:])
+        assert same_args(without_partials(p_args)[:3] + without_partials(p_args)[5:],
+                         without_partials(f_args)[:3] + without_partials(f_args)[5:], same_view)
     assert len(resolved) == 4
     call_plan.clear()
     for _ in range(2):

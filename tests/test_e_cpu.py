@@ -591,13 +591,15 @@ def test_index_mode_reads_fp8_pages_in_place(launch, page):
         launch("sm90", stage.index_attention, q, cache, idx.clamp(min=slots))
 
 
-def test_fp8_pages_are_refused_where_no_gather_reads_them(monkeypatch):
-    """sm100 has no FP8 page gather yet: refused before launch, naming the way around."""
-    from dsv4_attention.common import interface
-
-    monkeypatch.setattr(interface, "arch_of_device", lambda device: "sm100")
-    with pytest.raises(ValueError, match="sm90 kernel only"):
-        stage.index_attention(torch.randn(4, 128, 512).bfloat16(), fp8_pages(), torch.zeros(4, 1, 8, dtype=torch.int32))
+def test_sm100_reads_fp8_pages_but_decode_merges_on_sm90(launch):
+    """sm100's index mode takes the pages as sm90's does (its own gather, sm100_pages.py); decode's
+    exact merge of two lists goes through split-KV's partial buffers, which only sm90 writes: on
+    sm100 it is refused before launch, naming the way around."""
+    q = torch.randn(4, 128, 512).bfloat16()
+    args, options = launch("sm100", stage.index_attention, q, fp8_pages(), torch.zeros(4, 1, 8, dtype=torch.int32))
+    assert options["kv_pages"] == 64 and args["entries"].compressed.dtype == torch.uint8
+    with pytest.raises(ValueError, match="decode runs on sm90"):  # the launch fixture's device: sm100 still
+        stage.decode(q.view(2, 2, 128, 512), fp8_pages(), torch.zeros(2, 2, 8, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("args,match", [

@@ -25,8 +25,8 @@ from dsv4_attention.stages import e_fused as stage
 
 pytestmark = [pytest.mark.stage_e]
 
-# the FP8 gather and decode's split partials are built on sm90; sm100 refuses them by name
-# (test_e_cpu.py) until its gather is written
+# decode's exact merge goes through split-KV's partial buffers, which only the sm90 kernel writes
+# (refused by name on sm100: tests/test_e_cpu.py); index mode over FP8 pages runs on both
 ARCHS = [p for p in gpu_arch_params() if p.values[0] == "sm90"]
 
 
@@ -123,7 +123,31 @@ def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, record_errors
         assert e.within(2 * O_REL[torch.bfloat16], 6 * O_REL[torch.bfloat16]), e
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("page", [256, 2])
+def test_index_attention_reads_fp8_pages(arch, heads, page, record_errors):
+    """Prefill from the cache: index mode (one list, per-token lengths, the sink) with the FP8 pages
+    as kv, no bf16 copy, against the float64 reference on the dequantized cache; poisoned output."""
+    g = fresh_generator()
+    batch, s_q, topk = 5, 3, 200
+    cache, rows, idx = paged_cache(batch, s_q, 900, page, topk, g)
+    q = torch.randn(batch * s_q, heads, 512, generator=g).to(torch.bfloat16).cuda()
+    length = torch.randint(0, topk + 1, (batch * s_q,), generator=g).int().cuda()
+    sink = sinks_with_infinities(heads, g)
+    o = torch.full_like(q, float("nan"))
+    _, lse = stage.index_attention(q, cache, idx.view(batch * s_q, 1, topk), topk_length=length, attn_sink=sink, out=o)
+    o_ref, lse_ref = dsv4_index_attention(q, torch.nan_to_num(rows.float(), nan=0.0), idx.view(batch * s_q, topk),
+                                          length, sink)
+    e = errors(o, o_ref)
+    record_errors(e, arch=arch, case="index mode over fp8 pages", heads=heads, page=page)
+    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+    empty = torch.isneginf(lse_ref)
+    assert bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
+    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("page", [64, 2])
 def test_dequantization_is_exact_at_the_ends_of_the_scale_range(arch, page):
     """q = 0 and one listed token a query: P = 1, so O is that token's row as the kernel

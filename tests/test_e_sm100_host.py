@@ -966,6 +966,10 @@ COMPILE_CASES = [
     (512, INDEX_512_G64),
     (512, TOPK_512_G64),
     (512, dict(TOPK_512_G64, has_positions=True, varlen=True)),
+    # serving: index mode over a paged FP8 cache (pages of 64 at 128 heads; pages of 2 on the padded tile)
+    (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
+           "index_mode": True, "kv_pages": 64}),
+    (512, dict(INDEX_512_G64, kv_pages=2)),
 ]
 
 
@@ -1229,3 +1233,80 @@ def test_64_heads_padded_seams():
         make_kernel(512, **dict(INDEX_512_G64, pack_group=32))
     with pytest.raises(ValueError, match="does not pack"):
         make_kernel(512, **dict(INDEX_512_G64, pack_group=96))
+
+
+# ---- serving: the FP8 page gather (stages/e_fused/sm100_pages.py) ----------------------------------
+
+FP8_PAGES = {"kv_shared": True, "pack_group": 128, "has_compressed": True, "has_topk": True, "index_mode": True,
+             "kv_pages": 64}
+
+
+def fp8_stage_bytes(unit_byte=None) -> dict:
+    """{(key row, column): byte from the stage's first} of every element the FP8 gather stores in a K
+    block, from the kernel's own ``unit_byte`` (or a stand-in: the negative controls)."""
+    from dsv4_attention.common.layout_proof import trace
+
+    kernel = make_kernel(512, **FP8_PAGES)
+    unit_byte = unit_byte or kernel.unit_byte
+
+    def body():
+        sw = kernel.ring_swizzle()
+        return {(r, 8 * u + i): int(unit_byte(r, u, sw)) + 2 * i
+                for r in range(kernel.plan.tile_n) for u in range(8) for i in range(8)}
+
+    return trace(body)
+
+
+def mma_stage_bytes() -> dict:
+    """{(key row, column): byte} where the QK MMA reads K[row, column] of ring stage 0: the ring's own
+    layout (``make_smem_layouts``' k_ring: ((T, 16), 1, 4, stages) elements at B = 64) at its
+    coordinate, under the ring's swizzle, written out here, apart from ``block_rows_layout``."""
+    from dsv4_attention.common.layout_proof import swizzle_bytes, trace
+    from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
+
+    kernel = make_kernel(512, **FP8_PAGES)
+    plan = kernel.plan
+
+    def body():
+        _, k_ring, _, _ = make_smem_layouts(BF16, plan, make_qk_mma(BF16, plan), make_pv_mma(BF16, plan))
+        sw = k_ring.inner
+        bits, base, shift = int(sw.num_bits), int(sw.num_base), int(sw.num_shift)
+        assert plan.d_block == 64  # one 64-column block a stage (hd 512): its k-phase mode is 4, not (4, 1)
+        return {(r, c): swizzle_bytes(2 * int(k_ring.outer(((r, c % 16), 0, c // 16, 0))), bits, base, shift)
+                for r in range(plan.tile_n) for c in range(plan.d_block)}
+
+    return trace(body)
+
+
+@pytest.mark.proof
+def test_fp8_gather_stores_each_value_where_the_mma_reads_it():
+    """Every (key, column) of a K block the dequantizing gather writes lands on the byte the QK MMA
+    reads that element from (the T x 64 block of the ring stage); the block's 64 columns are one
+    scale tile (kv_cache.unit_bytes, proven against the format in tests/test_kv_cache.py)."""
+    got, want = fp8_stage_bytes(), mma_stage_bytes()
+    assert len(got) == len(want) == 64 * 64 and len(set(got.values())) == len(got)
+    assert got == want, first_mismatches(want, got)
+
+
+@pytest.mark.proof
+def test_fp8_gather_checker_rejects_wrong_placements():
+    """Negative controls: the units stored without the ring's swizzle, and rows taken as columns."""
+    want = mma_stage_bytes()
+    kernel = make_kernel(512, **FP8_PAGES)
+    unswizzled = fp8_stage_bytes(lambda r, u, sw: 2 * (r * 64 + 8 * u))
+    transposed = fp8_stage_bytes(lambda r, u, sw: kernel.unit_byte(u, r % 8, sw) + 1024 * (r // 8))
+    assert unswizzled != want and transposed != want
+
+
+def test_fp8_gather_lanes_cover_each_unit_once():
+    """The TMA warp's lanes and passes (row = lane / 8 + 4 p, unit = lane % 8) store every 16-byte
+    unit of a T-row block once; the control (rows stepped by 8 a pass) misses some."""
+    from dsv4_attention.stages.e_fused.sm100_pages import LANES, UNITS
+
+    T = make_kernel(512, **FP8_PAGES).plan.tile_n
+
+    def cover(step):
+        units = [(lane // UNITS + p * step, lane % UNITS) for p in range(T * UNITS // LANES) for lane in range(LANES)]
+        return sorted(units) == sorted(itertools.product(range(T), range(UNITS)))
+
+    assert cover(LANES // UNITS) and not cover(2 * LANES // UNITS)

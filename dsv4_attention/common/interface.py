@@ -216,7 +216,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     (``split_kv.choose_splits``: 1 where the Q tiles already fill half the SMs). A split call is
     planned like an unsplit one (``call_plan.SplitPlan``: its count chosen once per signature,
     fresh partial buffers each call; ``call_plan.last_splits`` reports the count). ``kv_pages``
-    (index mode, sm90): ``compressed_kv`` is a paged MODEL1 FP8 cache's bytes [1, pages, 1, page
+    (index mode): ``compressed_kv`` is a paged MODEL1 FP8 cache's bytes [1, pages, 1, page
     bytes] (common/kv_cache.py), ``kv_pages`` tokens a page, an index naming slot
     ``page * kv_pages + offset``; the kernel dequantizes what it gathers. ``split_into`` (o_part,
     lse_part) (batched, no varlen): ``split_kv.partial_buffers``-shaped fp32 views of a larger
@@ -404,9 +404,6 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
         n_entries = compressed_kv.shape[1]
         if kv_pages:  # a paged FP8 cache's bytes (index_attention checked its layout): every slot a row
             n_entries *= kv_pages
-            if arch != "sm90":
-                raise ValueError(f"a paged FP8 cache is read by the sm90 kernel only (this device is {arch}); "
-                                 "dequantize it (common/kv_cache.dequantize_kv_cache) and pass bf16 rows")
         elif varlen is None:  # varlen checked them first: its entry offsets need the ratio
             check_compressed(compressed_kv, compress_ratio, k, k if kv_shared else v)
         if topk_indices is not None:

@@ -281,6 +281,40 @@ def check_varlen(forward, q, k, v, cu_q, cu_k, record, g, **case):
     assert untouched, f"rows past the last request were written: {msg}"
 
 
+#: bad (q, k, v) every stage refuses, as ``make(q, k) -> (q, k, v)`` with the ValueError's pattern
+#: (each stage's own cases are added beside them)
+BAD_QKV = [
+    (lambda q, k: (q, k, k[:, :-1]), r"v must have k's shape"),
+    (lambda q, k: (q.float(), k, k), r"q\.dtype must be one of"),
+]
+
+
+def compile_budget_test(stage_id: str, head_dims, tmem_columns=None, dtypes=("bfloat16", "float16")):
+    """A stage's ``test_compiles_within_budget``: every (arch, dtype, head dim) compiled within the
+    budgets (``common.compile.assert_within_budget``); ``tmem_columns(head_dim)``: the least TMEM an
+    sm100 kernel must allocate (default 32)."""
+    from dsv4_attention.common.compile import assert_within_budget
+
+    @pytest.mark.compile
+    @pytest.mark.parametrize("arch", ["sm90", "sm100"])
+    @pytest.mark.parametrize("dtype", list(dtypes))
+    @pytest.mark.parametrize("head_dim", list(head_dims))
+    def test_compiles_within_budget(arch, dtype, head_dim):
+        least = 32 if tmem_columns is None else tmem_columns(head_dim)
+        assert_within_budget(stage_id, arch, dtype, head_dim, min_tmem_columns=least)
+
+    return test_compiles_within_budget
+
+
+def assert_long_keys_reach_dispatch(forward, head_dim: int) -> None:
+    """A 20000-key call on CPU tensors passes every check and fails only on the device: no key
+    count below the kernels' own limits is refused."""
+    q = torch.randn(1, 8, 2, head_dim).bfloat16()
+    k = torch.randn(1, 20000, 1, head_dim).bfloat16()
+    with pytest.raises(ValueError, match="CUDA device"):
+        forward(q, k, k)
+
+
 def sanitizer_test(script: str, tools=("memcheck", "racecheck")):
     """A stage's ``test_compute_sanitizer``: ``script`` under each of ``tools``, per GPU architecture
     (``run_compute_sanitizer``)."""

@@ -591,10 +591,7 @@ class FlashAttentionD1Sm100:
             num_stages=1, producer_group=one_thread, consumer_group=one_thread,
             tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
         ).make_participants()  # fmt: skip
-        ring_pipeline = pipeline.PipelineTmaUmma.create(
-            num_stages=plan.ring_stages, producer_group=one_thread, consumer_group=one_thread,
-            tx_count=self.block_bytes, barrier_storage=storage.ring_mbar.data_ptr(), defer_sync=True,
-        )  # fmt: skip
+        ring_pipeline = self.make_ring_pipeline(storage.ring_mbar.data_ptr(), one_thread)
         ring_producer, _ = ring_pipeline.make_participants()
         s_full = UseCountedBarriers(storage.s_full_mbar.data_ptr(), 1, 1, by_mma=True)
         pv_ready = UseCountedBarriers(storage.pv_ready_mbar.data_ptr(), 1, 2 * EPI_THREADS)
@@ -640,6 +637,14 @@ class FlashAttentionD1Sm100:
                 epi_barrier, pv_ready, o_full, stats, sStats, tidx % EPI_THREADS, warp_idx % 4, m_blk, half, h, b,
                 n_rows, mSink,
             )  # fmt: skip
+
+    def make_ring_pipeline(self, barriers, one_thread):
+        """The ring's pipeline (a seam): stages filled by TMA (one arrival and the block's bytes),
+        emptied by the MMA's commit. A later stage whose loads are not TMA's changes the producer."""
+        return pipeline.PipelineTmaUmma.create(
+            num_stages=self.plan.ring_stages, producer_group=one_thread, consumer_group=one_thread,
+            tx_count=self.block_bytes, barrier_storage=barriers, defer_sync=True,
+        )  # fmt: skip
 
     # /////////////////////////////////////////////////////////////////////////////////////
     #  TMA warp: Q once, then the ring's blocks in use order, last KV tile first

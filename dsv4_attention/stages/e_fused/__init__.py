@@ -287,7 +287,6 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
         NotDifferentiableError: under grad mode, an input that requires grad.
     """
     from dsv4_attention.common import split_kv
-    from dsv4_attention.common.arch import arch_of_device
     from dsv4_attention.common.persistent import device_sms
     from dsv4_attention.common.validation import check_sink
 
@@ -300,9 +299,11 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
         raise ValueError(f"q must be bf16 with head dim 512; got {q.dtype}, head dim {d}")
     if (extra_k_cache is None) != (extra_indices is None) or (extra_topk_length is not None and extra_indices is None):
         raise ValueError("extra_k_cache and extra_indices go together (extra_topk_length with them)")
-    if q.is_cuda and arch_of_device(q.device) != "sm90":
-        raise ValueError(f"decode runs on sm90 (its split partials and the FP8 gather are built there); this "
-                         f"device is {arch_of_device(q.device)}: dequantize the cache and call index_attention")
+    arch = interface.arch_of_device(q.device)  # a CPU tensor: refused here, naming the device
+    if arch != "sm90":
+        raise ValueError(f"decode runs on sm90: its exact merge of the two lists goes through split-KV's partial "
+                         f"buffers, which the sm90 kernel writes; this device is {arch}: call index_attention on "
+                         f"each list (it reads the FP8 pages there too)")
     if attn_sink is not None:
         check_sink(attn_sink, h, q.device)
     tokens = q.reshape(b * s_q, h, d)
@@ -325,7 +326,7 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
         kv, kv_pages, idx = index_source(tokens, cache, lists.reshape(b * s_q, 1, lists.shape[2]), length,
                                          check_indices)
         sources.append((kv, kv_pages, idx))
-    sms = device_sms() if q.is_cuda else 1
+    sms = device_sms()
     counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms) if num_splits is None
               else split_kv.check_num_splits(num_splits, True, False, "sm90") for _, _, idx in sources]
     o_part, lse_part = split_kv.partial_buffers(sum(counts), (1, b * s_q, h, d), (1, h, b * s_q), q.device)

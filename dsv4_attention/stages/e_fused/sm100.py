@@ -54,6 +54,7 @@ from dsv4_attention.common.sm100_softmax import (
 )
 from dsv4_attention.common.tmem import QK_TILE_M
 from dsv4_attention.stages.d5_sink_merge.sm100 import FlashAttentionD5Sm100
+from dsv4_attention.stages.e_fused.sm100_pages import PagedFp8GatherSm100
 
 
 class EntryOperands(NamedTuple):
@@ -82,14 +83,15 @@ class RequestEntries(NamedTuple):
     kv_start: Any
 
 
-class FlashAttentionESm100(FlashAttentionD5Sm100):
+class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
     #: host proofs only: the top-k mask's ballots assembled by a loop over the lanes (no warp on the CPU)
     topk_words_on_host = False
 
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
-                 index_mode: bool = False, has_positions: bool = False, **options):
+                 index_mode: bool = False, has_positions: bool = False, kv_pages: int = 0, **options):
         super().__init__(dtype, head_dim, **options)
-        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode, has_positions, padded_topk=True)
+        set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode, has_positions, padded_topk=True,
+                    kv_pages=kv_pages)
         if self.has_topk and self.pack_group < QK_TILE_M:
             # 64 heads (set_options admits no other group below the tile): one token per 128-row tile,
             # rows 64 .. 127 padding (``padded``; the module doc)
@@ -101,7 +103,9 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         if cutlass.const_expr(not (self.has_compressed or self.has_positions)):
             return None
         atom = view = None
-        if cutlass.const_expr(self.has_compressed):
+        if cutlass.const_expr(self.kv_pages):  # a paged FP8 cache: read by address, (pages, bytes, 1, 1)
+            view = seq_major(entries.compressed)
+        elif cutlass.const_expr(self.has_compressed):
             atom, view = self.compressed_tma_atom(load_op, entries.compressed, k_ring, qk_mma, entries.topk)
         return EntryOperands(atom, view, entries.ratio, entries.topk, entries.kv_start, entries.positions,
                              entries.cu_seqlens_c)
@@ -138,14 +142,16 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         topk = count = c_row0 = None
         if cutlass.const_expr(e.mTopk is not None):
             topk = e.mTopk[b, None, None]
-        if cutlass.const_expr(e.mC is not None):
+        if cutlass.const_expr(self.kv_pages):  # every slot of every page
+            count, c_row0 = e.mC.shape[0] * self.kv_pages, 0
+        elif cutlass.const_expr(e.mC is not None):
             count, c_row0 = e.mC.shape[0], b * e.mC.shape[0]
         return RequestEntries(e.atom, e.mC, count, c_row0, topk, positions_row(e.mPositions, b), e.ratio,
                               e.kv_start)
 
     @cute.jit
     def prefetch_entries(self, entries):
-        if cutlass.const_expr(self.has_compressed):
+        if cutlass.const_expr(self.has_compressed and not self.kv_pages):
             cpasync.prefetch_descriptor(entries.atom)
 
     def entry_sources(self, qk_mma, entries, sK, hk, b):
@@ -157,6 +163,8 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
         if not self.has_compressed:
             return None
         plan = self.plan
+        if self.kv_pages:  # the pages as (pages, bytes): gathered by address
+            return None, entries.mC[None, None, 0, 0]
         if self.has_topk:
             return entries.atom, (cute.local_tile(entries.mC, (plan.tile_n, plan.d_block), (0, None)),
                                   hk * plan.blocks, entries.c_row0)
@@ -198,7 +206,9 @@ class FlashAttentionESm100(FlashAttentionD5Sm100):
 
     @cute.jit
     def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, sources, dst, barrier):
-        if cutlass.const_expr(self.has_topk):
+        if cutlass.const_expr(self.kv_pages):  # index mode: every tile is gathered
+            self.gather_fp8_block(span, tile, kb, sources[1], dst, barrier)
+        elif cutlass.const_expr(self.has_topk):
             tma_atom_c, tCgC = sources
             if tile < span.n_cmp:
                 self.gather_k_block(span, tile, kb, tma_atom_c, tCgC, dst, barrier)
