@@ -187,6 +187,22 @@ def test_dequantization_is_exact_at_the_ends_of_the_scale_range(arch, page):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_decode_reads_bf16_pages_as_it_reads_their_fp8_form(arch):
+    """bf16 pages (an engine that keeps bf16 caches) holding exactly the FP8 cache's dequantized
+    values: the gathered tiles are the same bits, so the outputs are too (the FP8 gather's
+    dequantization is exact)."""
+    g = fresh_generator()
+    win, _, win_idx = paged_cache(3, 2, 700, 256, 128, g)
+    ext, _, ext_idx = paged_cache(3, 2, 900, 64, 512, g)
+    q = torch.randn(3, 2, 64, 512, generator=g).to(torch.bfloat16).cuda()
+    sink = torch.randn(64, generator=g).cuda()
+    o8, lse8 = stage.decode(q, win, win_idx, attn_sink=sink, extra_k_cache=ext, extra_indices=ext_idx, num_splits=2)
+    o16, lse16 = stage.decode(q, kc.dequantize_kv_cache(win), win_idx, attn_sink=sink,
+                              extra_k_cache=kc.dequantize_kv_cache(ext), extra_indices=ext_idx, num_splits=2)
+    assert torch.equal(o8, o16) and torch.equal(lse8, lse16)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_decode_replays_in_a_cuda_graph(arch):
     """A decode step captured once (check_indices=False: no host read) and replayed after the
     caches and q change in place gives the eager call's bits."""

@@ -83,3 +83,18 @@ def test_the_presets_cover_deepseek_v4_on_both_archs():
         assert sum(dict(k[4]).get("index_mode", False) for k, *_ in configs) == 2
         assert sum(dict(k[4]).get("has_topk", False) and dict(k[4])["pack_group"] == 64 for k, *_ in configs) == 2
     assert len(warmup.configurations(warmup.dense_calls(), "sm90")) == 36
+
+
+def test_the_serving_preset_covers_flashmla_decode_and_prefill_from_the_pages():
+    """Serving: on sm90 decode's split kernels for pages of 256, 64 and 2 and index mode over pages
+    of 64, at 64 and 128 heads; on sm100 index mode over the pages, decode refused by name (its
+    merge needs sm90's split partials)."""
+    configs = warmup.configurations(warmup.serving_calls(), "sm90")
+    options = [dict(k[4]) for k, *_ in configs]
+    assert len(configs) == 8 and all(o["index_mode"] for o in options)
+    assert {(o["pack_group"], o["kv_pages"]) for o in options if o.get("split_kv")} == \
+        {(g, n) for g in (64, 128) for n in (256, 64, 2)}
+    refused: list = []
+    configs = warmup.configurations(warmup.serving_calls(), "sm100", refused)
+    assert len(configs) == 2 and {dict(k[4])["kv_pages"] for k, *_ in configs} == {64}
+    assert len(refused) == 4 and all("decode runs on sm90" in why for _, why in refused)

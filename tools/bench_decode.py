@@ -34,6 +34,12 @@ def bench_decode(dev) -> list:
         for b in FP8_BATCHES:
             rows += guarded(fp8_decode_row, dev, config, b, copy)
             torch.cuda.empty_cache()
+    # serving prefill: index mode over the FP8 cache against the engines' path (dequantize, then
+    # FlashMLA's bf16 sparse prefill); V4-Flash (64 heads, 640 keys a token) and V4-Pro (128, 1152)
+    for heads, topk in ((64, 640), (128, 1152)):
+        for tokens in (4096, 32768):
+            rows += guarded(fp8_prefill_row, dev, heads, topk, tokens)
+            torch.cuda.empty_cache()
     # few requests with long spans: split-KV (common/split_kv.py) against one unit per Q tile
     for mode, sk in (("dense", 8192), ("dense", 65536), ("hca", 1 << 20)):
         for b in (1, 4, 16):
@@ -137,7 +143,8 @@ def decode_row(dev, sq: int, sk: int, topk: int | None, copy: float) -> dict:
 
 def fp8_cache(dev, b: int, s_q: int, tokens: int, page: int, topk: int, g):
     """A MODEL1 FP8 cache of ``b`` requests x ``tokens`` tokens on shuffled pages, and each token's
-    ``topk`` distinct listed slots (common/kv_cache.py; FlashMLA's test builds them alike)."""
+    ``topk`` listed slots, distinct where the draw fits in 2^28 floats (common/kv_cache.py;
+    FlashMLA's test builds them alike)."""
     from dsv4_attention.common import kv_cache
 
     pages = -(-tokens // page)
@@ -145,7 +152,10 @@ def fp8_cache(dev, b: int, s_q: int, tokens: int, page: int, topk: int, g):
     bf16 = (torch.randn(b * pages, page, 1, 512, generator=g) / 10).to(torch.bfloat16).to(dev)
     cache = kv_cache.quantize_kv_cache(bf16)
     del bf16
-    logical = torch.rand(b * s_q, tokens, device=dev).topk(topk, dim=1).indices.int().view(b, s_q, topk)
+    if b * s_q * tokens <= 1 << 28:  # distinct slots a token (a top-k selector's lists)
+        logical = torch.rand(b * s_q, tokens, device=dev).topk(topk, dim=1).indices.int().view(b, s_q, topk)
+    else:  # a prefill chunk's lists: drawn with repeats (both kernels compute the same function on them)
+        logical = torch.randint(0, tokens, (b, s_q, topk), device=dev, dtype=torch.int32)
     return cache, kv_cache.cache_indices(logical, table, page)
 
 
@@ -194,4 +204,47 @@ def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
     print(f"decode {case}: ours {ms * 1e3:.1f} us ({row['ours_tflops']} TFLOP/s, {row['gbps']} GB/s), "
           f"flashmla {row['peer_ms'].get('flashmla')} ms, time ratio {row['time_ratio_vs'].get('flashmla')}, "
           f"max|diff| {row.get('max_abs_diff_vs_flashmla')}", flush=True)
+    return row
+
+
+def fp8_prefill_row(dev, heads: int, topk: int, tokens: int) -> dict:
+    """A prefill chunk of ``tokens`` tokens reading a MODEL1 FP8 cache (pages of 64, 2 x tokens
+    slots, each token's ``topk`` distinct listed slots): ours, ``index_attention`` over the pages
+    (dequantized in the gather, no workspace), against the engines' path, the cache dequantized
+    into a bf16 workspace (``kv_cache.dequantize_kv_cache``: torch, an upper bound on an engine's
+    fused dequantize) then FlashMLA's bf16 sparse prefill on it. Each part timed alone (events,
+    median); the ratio is end to end. FLOPs as FlashMLA counts them (4 tokens topk heads 512)."""
+    from dsv4_attention.common import kv_cache
+    from dsv4_attention.stages import e_fused
+
+    g = torch.Generator().manual_seed(heads * 7 + tokens)
+    page = 64
+    cache, idx = fp8_cache(dev, 1, tokens, 2 * tokens, page, topk, g)
+    idx = idx.view(tokens, 1, topk)
+    q = (torch.randn(tokens, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
+    sink = torch.randn(heads, generator=g).to(dev)
+    scale = 512 ** -0.5
+    flop = 4 * tokens * topk * heads * 512
+    ours = lambda: e_fused.index_attention(q, cache, idx, attn_sink=sink, softmax_scale=scale,  # noqa: E731
+                                           check_indices=False)
+    o, _ = ours()
+    ms = bench.time_ms([ours])
+    row = {"stage": "decode", "case": f"fp8 prefill flashmla h{heads} top-{topk} tokens{tokens} pages of {page} "
+                                      f"hd512 sink", "head_dim": 512, "seqlen": tokens,
+           "kind": "fp8 prefill from a paged cache (eager, end to end)", "ours_ms": round(ms, 4),
+           "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": {}, "peer_ms": {}, "time_ratio_vs": {}}
+    dequant = lambda: kv_cache.dequantize_kv_cache(cache)  # noqa: E731
+    row["dequantize_ms"] = round(bench.time_ms([dequant]), 4)
+    try:
+        import flashmla_peer as fm  # pyright: ignore[reportMissingImports] (GPU peer)
+
+        rows = kv_cache.cache_rows(dequant())
+        attend = lambda: fm.sparse_prefill_fwd(q, rows, idx, scale, 512, sink, None)  # noqa: E731
+        row["max_abs_diff_vs_flashmla"] = float((attend()[0].float() - o.float()).abs().max())
+        row["flashmla_attention_ms"] = round(bench.time_ms([attend]), 4)
+        add_peer(row, "flashmla", row["dequantize_ms"] + row["flashmla_attention_ms"], flop)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+        print(f"peer flashmla failed: {type(e).__name__}: {e}"[:300], flush=True)
+    print(f"prefill {row['case']}: ours {ms:.3f} ms, engines' path {row['peer_ms'].get('flashmla')} ms "
+          f"(dequantize {row['dequantize_ms']}), ratio {row['time_ratio_vs'].get('flashmla')}", flush=True)
     return row

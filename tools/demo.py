@@ -4,6 +4,7 @@ On a Hopper or Blackwell GPU: DeepSeek-V4's prefill (the HCA and CSA layer calls
 index mode at 64 and 128 heads) and decode shapes, each against the float64 reference (on its
 last rows: the reference of a whole prefill would take minutes) and, for index mode, against
 FlashMLA's sparse prefill on the same tensors where the device pack's ``flashmla_peer`` imports;
+on Hopper also a decode step from paged FP8 caches beside FlashMLA's FP8 decode;
 time (median of CUDA-event timings) and TFLOP/s. On a machine without one: compile the final
 kernel's DeepSeek-V4 configurations for sm_90a and sm_100a, one worker a core (file cache off), and
 print compile time, registers, spills, shared memory and TMEM columns, saying plainly that nothing
@@ -177,7 +178,48 @@ def run_dsv4() -> int:
     # the float64 reference of 4 requests: all 64 would expand K to 128 heads (256 GB)
     layer("HCA decode (4 requests checked)", 64, 2, 8192, 128, None, (slice(0, 4), slice(None)))
     layer("CSA decode, top-512 (4 requests checked)", 64, 2, 8192, 4, 512, (slice(0, 4), slice(None)))
-    print("\nDecode from paged FP8 caches and a backward pass are not in the library yet (issues 43, 44).")
+
+    def fp8_decode(heads, extra_topk, extra_page, b=64, s_q=2):
+        """``e_fused.decode`` from two MODEL1 FP8 caches (FlashMLA's CONFIG shapes: a window top-128
+        in pages of 256, the extra list in pages of ``extra_page``), 4 requests checked against the
+        float64 reference on the dequantized caches, timed eager beside FlashMLA's decode."""
+        from dsv4_attention.common import kv_cache
+        from tools.bench_decode import fp8_cache
+
+        win, win_idx = fp8_cache(dev, b, s_q, 4096, 256, 128, g)
+        ext, ext_idx = fp8_cache(dev, b, s_q, 4096, extra_page, extra_topk, g)
+        q = random_bshd(b, s_q, heads, 512, torch.bfloat16, dev, generator=g)
+        sink = torch.randn(heads, generator=g).to(dev)
+        kw = {"attn_sink": sink, "extra_k_cache": ext, "extra_indices": ext_idx, "check_indices": False}
+        o, _ = e_fused.decode(q, win, win_idx, **kw)
+        rows_w = kv_cache.dequantize_kv_cache(win).view(-1, 512)
+        pool = torch.cat([rows_w, kv_cache.dequantize_kv_cache(ext).view(-1, 512)])
+        lists = torch.cat([win_idx, torch.where(ext_idx >= 0, ext_idx + rows_w.shape[0], -1)], dim=2)[:4]
+        length = torch.full((4 * s_q,), lists.shape[2], dtype=torch.int32, device=dev)
+        o_ref, _ = dsv4_index_attention(q[:4].flatten(0, 1), pool, lists.flatten(0, 1), length, sink)
+        ms = bench.time_ms([lambda: e_fused.decode(q, win, win_idx, **kw)])
+        try:
+            import flashmla_peer  # pyright: ignore[reportMissingImports] (the device pack's FlashMLA)
+
+            meta = flashmla_peer.FlashMLASchedMeta()
+            peer = lambda: flashmla_peer.with_kvcache_sparse(q, win, win_idx, None, sink, ext, ext_idx,  # noqa: E731
+                                                              sched_meta=meta)
+            peer()
+            peer_ms = bench.time_ms([peer])
+            extra = f"  FlashMLA {peer_ms:.3f} ms: ours / FlashMLA {ms / peer_ms:.2f}x"
+        except Exception as e:  # noqa: BLE001 - FlashMLA is a peer of the device pack, not a dependency
+            extra = f"  (FlashMLA not run: {type(e).__name__})"
+        show(f"FP8 decode h{heads} top-128 + {extra_topk} (pages of {extra_page})", errors(o[:4].flatten(0, 1), o_ref),
+             ms, 2 * heads * b * s_q * (128 + extra_topk) * 1024, extra)
+
+    if present_arch() == "sm90":  # decode's exact merge of its two lists is built on sm90
+        print("decode from paged FP8 caches (FlashMLA's MODEL1 layout; batch 64, 2 tokens, eager; 4 requests "
+              "checked)")
+        fp8_decode(64, 512, 64)
+        fp8_decode(128, 1024, 2)
+    else:
+        print("decode from paged FP8 caches: sm90 only (its merge needs split-KV's partials); not run here")
+    print("\nA backward pass is not in the library yet (issue 44).")
     return 1 if bad else 0
 
 

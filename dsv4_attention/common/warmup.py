@@ -11,7 +11,7 @@ one per CPU), with CuTeDSL's file cache off, and written to the kernel cache dir
 needed (the DSL compiles for sm_90a and sm_100a on the host), but the cache directory is per
 machine: warm up where the calls will run, or point ``DSV4_ATTENTION_CACHE_DIR`` at shared storage.
 
-    python -m dsv4_attention.common.warmup [--preset dsv4|dense|all] [--arch sm90|sm100] [--jobs N]
+    python -m dsv4_attention.common.warmup [--preset dsv4|dense|serving|all] [--arch sm90|sm100] [--jobs N]
     nox -s warmup -- --preset dsv4
 
 Presets: ``dsv4``: DeepSeek-V4's attention at head dim 512, K = V, MQA with 64 or 128 query
@@ -81,7 +81,29 @@ def dense_calls():
     return calls
 
 
-PRESETS = {"dsv4": dsv4_calls, "dense": dense_calls}
+def serving_calls(heads=(64, 128)):
+    """Serving from paged MODEL1 FP8 caches (common/kv_cache.py): FlashMLA's decode cases (a window
+    list in pages of 256 with an extra list in pages of 64, or of 2) and index mode over the pages
+    (prefill from the cache)."""
+    from dsv4_attention.common import kv_cache
+    from dsv4_attention.stages import e_fused
+
+    bf = torch.bfloat16
+    pages = {n: kv_cache.quantize_kv_cache(torch.zeros(2, n, 1, 512, dtype=bf)) for n in (256, 64, 2)}
+    calls = []
+    for h in heads:
+        q, sink = _bshd(1, 2, h, 512, bf), torch.zeros(h)
+        lists = {n: torch.full((1, 2, 128), -1, dtype=torch.int32) for n in pages}
+        for extra in (64, 2):
+            calls.append((f"decode h{h} pages 256 + {extra}", lambda q=q, sink=sink, extra=extra: e_fused.decode(
+                q, pages[256], lists[256], attn_sink=sink, extra_k_cache=pages[extra], extra_indices=lists[extra],
+                check_indices=False)))
+        calls.append((f"index mode over FP8 pages h{h}", lambda q=q, sink=sink: e_fused.index_attention(
+            q[0], pages[64], lists[64][0, :, None], attn_sink=sink, check_indices=False)))
+    return calls
+
+
+PRESETS = {"dsv4": dsv4_calls, "dense": dense_calls, "serving": serving_calls}
 
 
 def configurations(calls, arch: str, refused: list | None = None) -> list:
