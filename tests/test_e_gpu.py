@@ -22,6 +22,7 @@ from dsv4_attention.common.testing import (
     O_REL,
     attention_inputs,
     check_attention,
+    check_index_result,
     check_varlen,
     errors,
     fresh_generator,
@@ -423,12 +424,7 @@ def test_index_mode_is_the_spec_function(arch, heads, k, record_errors):
     o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     _, lse = stage.index_attention(q, kv, idx[:, None].cuda(), topk_length=length.cuda(), attn_sink=s, out=o)
     o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], idx.cuda(), length.cuda(), s)
-    e = errors(o, o_ref)
-    record_errors(e, arch=arch, case="index mode", heads=heads, k=k)
-    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
-    empty = torch.isneginf(lse_ref)
-    assert bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
-    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+    check_index_result(o, lse, o_ref, lse_ref, record_errors, arch=arch, case="index mode", heads=heads, k=k)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
@@ -463,12 +459,8 @@ def test_index_mode_reads_flashmla_strided_inputs(arch, record_errors):
     o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     _, lse = stage.index_attention(qs, kvs, idxs, topk_length=length, attn_sink=s, out=o)
     o_ref, lse_ref = dsv4_index_attention(q, kv[:, 0], idx[:, 0], length, s)
-    e = errors(o, o_ref)
-    record_errors(e, arch=arch, case="index mode, FlashMLA's strided inputs", heads=heads, k=k)
-    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
-    empty = torch.isneginf(lse_ref)
-    assert bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
-    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+    check_index_result(o, lse, o_ref, lse_ref, record_errors, arch=arch, case="index mode, FlashMLA's strided inputs",
+                       heads=heads, k=k)
     o_dense, lse_dense = stage.index_attention(q, kv, idx, topk_length=length, attn_sink=s)
     assert torch.equal(o, o_dense) and torch.equal(lse, lse_dense)
     o_unchecked, lse_unchecked = stage.index_attention(qs, kvs, idxs, topk_length=length, attn_sink=s,

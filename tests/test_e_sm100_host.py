@@ -1250,8 +1250,8 @@ def fp8_stage_bytes(unit_byte=None) -> dict:
     unit_byte = unit_byte or kernel.unit_byte
 
     def body():
-        sw = kernel.ring_swizzle()
-        return {(r, 8 * u + i): int(unit_byte(r, u, sw)) + 2 * i
+        placement = kernel.stage_placement()
+        return {(r, 8 * u + i): int(unit_byte(r, u, placement)) + 2 * i
                 for r in range(kernel.plan.tile_n) for u in range(8) for i in range(8)}
 
     return trace(body)
@@ -1293,8 +1293,11 @@ def test_fp8_gather_checker_rejects_wrong_placements():
     """Negative controls: the units stored without the ring's swizzle, and rows taken as columns."""
     want = mma_stage_bytes()
     kernel = make_kernel(512, **FP8_PAGES)
-    unswizzled = fp8_stage_bytes(lambda r, u, sw: 2 * (r * 64 + 8 * u))
-    transposed = fp8_stage_bytes(lambda r, u, sw: kernel.unit_byte(u, r % 8, sw) + 1024 * (r // 8))
+    from dsv4_attention.stages.e_fused.sm100_pages import swizzled
+
+    unswizzled = fp8_stage_bytes(lambda r, u, placement: 2 * (r * 64 + 8 * u))
+    T = kernel.plan.tile_n  # units column-major: unit u of row r after the units 0 .. u - 1 of every row
+    transposed = fp8_stage_bytes(lambda r, u, placement: swizzled(16 * (u * T + r), *placement[1]))
     assert unswizzled != want and transposed != want
 
 

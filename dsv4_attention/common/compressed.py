@@ -271,6 +271,16 @@ class TopkSpan(FusedSpan):
         end = self.n_tiles if self.n_end is None else self.n_end
         return (self.list_base + end - 1 - n) % self.slots
 
+    @cute.jit
+    def listed_entry(self, n, r):
+        """The entry row r of gathered tile n holds: the one at list position n T + r where it is a
+        visible entry, else -1 (not read: the row is zero-filled and masked). Both archs' gathers."""
+        pos = n * self.tile_n + r
+        j = cutlass.Int32(-1)
+        if pos < self.k:
+            j = self.idx_row[pos]
+        return j if (j >= 0) & (j < self.count) else cutlass.Int32(-1)
+
     def list_source(self, n, c):
         """The list position whose entry row c of tile n's staged list holds: n T + c, clamped to
         the list (positions past k are masked by p < k, never read)."""

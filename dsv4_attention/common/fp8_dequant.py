@@ -104,6 +104,17 @@ def dequant_e4m3x8(w0: cutlass.Int32, w1: cutlass.Int32, scale_byte: cutlass.Int
     return _values(res, 4, loc, ip)
 
 
+def load_unit(data, offset, tile, scale_word=None):
+    """One 16-byte bf16 unit of a token whose data starts at ``data`` (0: no token, zeros), from
+    ``kv_cache.unit_bytes``' (offset, _, tile): RoPE (``tile`` None) as its 16 bytes, NoPE as 8 e4m3
+    bytes times the tile's scale, byte ``tile % 4`` of ``scale_word`` (the token's scale bytes
+    4 (tile // 4) ..)."""
+    if tile is None:
+        return load_16_bytes(cutlass.Int64(offset), data)
+    w0, w1 = load_8_bytes(cutlass.Int64(offset), data)
+    return dequant_e4m3x8(w0, w1, (scale_word >> (8 * (tile % 4))) & 0xFF)
+
+
 @dsl_user_op
 def store_16_bytes(smem_addr: cutlass.Int32, words, *, loc=None, ip=None) -> None:
     """Four 32-bit words to shared-window address ``smem_addr`` (16-byte aligned)."""

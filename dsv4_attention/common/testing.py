@@ -289,6 +289,20 @@ BAD_QKV = [
 ]
 
 
+def check_index_result(o, lse, o_ref, lse_ref, record, **case):
+    """Index mode's (or decode's) result against the float64 reference: O within bf16's bounds
+    globally and row by row (``errors``, recorded with ``case``), a row with no key (LSE_ref = -inf)
+    O = 0 and LSE = -inf, every other row's LSE within LSE_ABS. ``o`` [..., d] and ``lse`` [...]
+    index the same rows. Returns the errors."""
+    e = errors(o, o_ref)
+    record(e, **case)
+    assert e.within(O_REL[torch.bfloat16], 3 * O_REL[torch.bfloat16]), e
+    empty = torch.isneginf(lse_ref)
+    assert bool(torch.isneginf(lse[empty]).all()) and bool((o[empty] == 0).all())
+    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() <= LSE_ABS
+    return e
+
+
 def compile_budget_test(stage_id: str, head_dims, tmem_columns=None, dtypes=("bfloat16", "float16")):
     """A stage's ``test_compiles_within_budget``: every (arch, dtype, head dim) compiled within the
     budgets (``common.compile.assert_within_budget``); ``tmem_columns(head_dim)``: the least TMEM an

@@ -90,10 +90,10 @@ def serving_calls(heads=(64, 128)):
 
     bf = torch.bfloat16
     pages = {n: kv_cache.quantize_kv_cache(torch.zeros(2, n, 1, 512, dtype=bf)) for n in (256, 64, 2)}
+    lists = {n: torch.full((1, 2, 128), -1, dtype=torch.int32) for n in pages}
     calls = []
     for h in heads:
         q, sink = _bshd(1, 2, h, 512, bf), torch.zeros(h)
-        lists = {n: torch.full((1, 2, 128), -1, dtype=torch.int32) for n in pages}
         for extra in (64, 2):
             calls.append((f"decode h{h} pages 256 + {extra}", lambda q=q, sink=sink, extra=extra: e_fused.decode(
                 q, pages[256], lists[256], attn_sink=sink, extra_k_cache=pages[extra], extra_indices=lists[extra],

@@ -189,11 +189,14 @@ def index_source(q, kv, indices, topk_length, check_indices):
     return kv, kv_pages, idx.contiguous()[None]
 
 
-def index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indices, num_splits, split_into=None):
+def index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indices, num_splits,
+                 split_into=None, lse_out=None):
     """Index mode on ``index_source``'s operands: (o, lse [tokens, heads]); with ``split_into``
     (decode's share of a merge: fp32 partial views) the splits are written there and None is
-    returned. A paged cache's kernel (``kv_pages``) takes a one-row stand-in as its K operand:
-    index mode loads no window tile (the descriptor is built all the same)."""
+    returned (``out`` / ``lse_out``: the kernel's O and LSE operands, LSE [1, heads, tokens], which
+    a split launch never writes: decode hands its final ones). A paged cache's kernel
+    (``kv_pages``) takes a one-row stand-in as its K operand: index mode loads no window tile (the
+    descriptor is built all the same)."""
     if idx.shape[2] == 0 or kv.shape[0] == 0:  # no key for any token: decided without a launch
         if split_into is not None:
             split_into[0].zero_()
@@ -219,7 +222,7 @@ def index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indi
             k = kv.as_strided((1, rows, 1, kv.shape[2]), (rows * row_stride, row_stride, row_stride, 1))
         entries = k
     res = interface.masked_attention_forward(ID, KERNELS, HEAD_DIMS, q[None], k, k, softmax_scale,
-                                             None if out is None else out[None], None,
+                                             None if out is None else out[None], lse_out,
                                              tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=entries,
                                              compress_ratio=1, topk_indices=idx, index_mode=True,
                                              check_indices=check_indices, num_splits=num_splits, kv_pages=kv_pages,
@@ -330,13 +333,13 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
     counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms) if num_splits is None
               else split_kv.check_num_splits(num_splits, True, False, "sm90") for _, _, idx in sources]
     o_part, lse_part = split_kv.partial_buffers(sum(counts), (1, b * s_q, h, d), (1, h, b * s_q), q.device)
-    first = 0
-    for (kv, kv_pages, idx), n in zip(sources, counts, strict=True):
-        index_launch(tokens, kv, kv_pages, idx, None, softmax_scale, None, check_indices, n,
-                     split_into=(o_part[first:first + n], lse_part[first:first + n]))
-        first += n
     o = torch.empty(1, b * s_q, h, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(1, h, b * s_q, dtype=torch.float32, device=q.device)
+    first = 0
+    for (kv, kv_pages, idx), n in zip(sources, counts, strict=True):
+        index_launch(tokens, kv, kv_pages, idx, None, softmax_scale, o[0], check_indices, n,
+                     split_into=(o_part[first:first + n], lse_part[first:first + n]), lse_out=lse)
+        first += n
     split_kv.combine(o_part, lse_part, o, lse, attn_sink)
     return o.view(b, s_q, h, d), lse.view(h, b, s_q).permute(1, 0, 2)
 

@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
 
-from dsv4_attention.common.fp8_dequant import dequant_e4m3x8, load_8_bytes, load_16_bytes, store_16_bytes
+from dsv4_attention.common.fp8_dequant import load_8_bytes, load_unit, store_16_bytes
 from dsv4_attention.common.kv_cache import token_bytes, unit_bytes
 from dsv4_attention.common.sm100_kv import block_rows_layout
 
@@ -46,29 +46,23 @@ class PagedFp8GatherSm100:
             consumer_group=one_thread, barrier_storage=barriers, defer_sync=True,
         )  # fmt: skip
 
-    def ring_swizzle(self) -> tuple:
-        """(bits, base, shift) of the ring's swizzle (``make_smem_layouts``' k_ring inner; static)."""
+    def stage_placement(self) -> tuple:
+        """(a K block's row layout, (bits, base, shift) of the ring's swizzle): where a stage holds
+        key r, column c (``block_rows_layout`` of ``make_smem_layouts``' k_ring; static, built once
+        a block's gather)."""
         from dsv4_attention.common.sm100_smem_p import make_pv_mma, make_qk_mma, make_smem_layouts
 
         plan = self.plan
-        sw = make_smem_layouts(self.dtype, plan, make_qk_mma(self.dtype, plan), make_pv_mma(self.dtype, plan))[1].inner
-        return int(sw.num_bits), int(sw.num_base), int(sw.num_shift)
+        k_ring = make_smem_layouts(self.dtype, plan, make_qk_mma(self.dtype, plan), make_pv_mma(self.dtype, plan))[1]
+        sw = k_ring.inner
+        rows = block_rows_layout(cute.select(k_ring.outer, mode=[0, 1, 2]))
+        return rows, (int(sw.num_bits), int(sw.num_base), int(sw.num_shift))
 
-    def unit_byte(self, row, unit, swizzle: tuple):
+    def unit_byte(self, row, unit, placement: tuple):
         """The byte, from the stage's first, of 16-byte unit ``unit`` (columns 8 unit ..) of key row
-        ``row`` of a K block: the block's row layout (``block_rows_layout``) under the ring's swizzle."""
-        rows = block_rows_layout(cute.select(self.k_block_outer(), mode=[0, 1, 2]))
+        ``row`` of a K block (``placement``: ``stage_placement()``)."""
+        rows, swizzle = placement
         return swizzled(rows((row, unit * 8)) * 2, *swizzle)
-
-    @cute.jit
-    def listed_token(self, span, n, r):
-        """The cache slot at list position n T + r of the tile's token, or -1 (past the list, -1, or
-        outside the cache: not read, stored as zeros, masked)."""
-        pos = n * span.tile_n + r
-        j = cutlass.Int32(-1)
-        if pos < span.k:
-            j = span.idx_row[pos]
-        return j if (j >= 0) & (j < span.count) else cutlass.Int32(-1)
 
     @cute.jit
     def gather_fp8_block(self, span, tile, kb: int, mPages: cute.Tensor, dst: cute.Tensor, barrier):
@@ -76,23 +70,20 @@ class PagedFp8GatherSm100:
         doc), then each lane's fence and arrival on the stage's full barrier."""
         lane = cute.arch.lane_idx()
         unit = lane % UNITS
-        off, nbytes, scale_tile = unit_bytes(kb, unit)
+        off, _, scale_tile = unit_bytes(kb, unit)
         base = mPages.iterator.toint()
         page_stride = cutlass.Int64(mPages.stride[0])
-        swizzle = self.ring_swizzle()
+        placement = self.stage_placement()
         s_base = dst.iterator.toint()
         for p in cutlass.range_constexpr(span.tile_n * UNITS // LANES):
             row = lane // UNITS + p * (LANES // UNITS)
-            j = self.listed_token(span, tile, row)
+            j = span.listed_entry(tile, row)
             d_off, s_off = token_bytes(cutlass.Int64(cutlass.max(j, 0)), self.kv_pages, page_stride)
             data = base + d_off if j >= 0 else cutlass.Int64(0)  # 0: the loads' "no token"
-            if cutlass.const_expr(nbytes == 8):
-                scales = load_8_bytes(s_off - d_off, data)
-                e = (scales[scale_tile // 4] >> (8 * (scale_tile % 4))) & 0xFF
-                w0, w1 = load_8_bytes(cutlass.Int64(off), data)
-                words = dequant_e4m3x8(w0, w1, e)
-            else:
-                words = load_16_bytes(cutlass.Int64(off), data)
-            store_16_bytes(s_base + self.unit_byte(row, unit, swizzle), words)
+            scale_word = None
+            if cutlass.const_expr(scale_tile is not None):
+                scale_word = load_8_bytes(s_off - d_off, data)[scale_tile // 4]
+            words = load_unit(data, off, scale_tile, scale_word)
+            store_16_bytes(s_base + self.unit_byte(row, unit, placement), words)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(barrier)

@@ -239,13 +239,8 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
 
     @cute.jit
     def gather_source_row(self, span, n, r):
-        """The compressed row that tile row r of compressed tile n holds: the entry at list position
-        n T + r where it is a visible entry, else -1 (not read: the row is zero-filled and masked)."""
-        pos = n * self.tile_n + r
-        j = cutlass.Int32(-1)
-        if pos < span.k:
-            j = span.idx_row[pos]
-        return j if (j >= 0) & (j < span.count) else cutlass.Int32(-1)
+        """The compressed row that tile row r of compressed tile n holds (``TopkSpan.listed_entry``)."""
+        return span.listed_entry(n, r)
 
     def list_copy_views(self, span, n, c):
         """(src, dst): entry c of compressed tile n's list, one int32 of the token's list in global

@@ -19,7 +19,7 @@ bf16 gather). A list position that names no visible token reads nothing and stor
 import cutlass
 import cutlass.cute as cute
 
-from dsv4_attention.common.fp8_dequant import dequant_e4m3x8, load_8_bytes, load_16_bytes, store_16_bytes
+from dsv4_attention.common.fp8_dequant import load_8_bytes, load_unit, store_16_bytes
 from dsv4_attention.common.kv_cache import TILES, token_bytes, unit_bytes
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 from dsv4_attention.common.sm90_kv_chunks import gather_offset
@@ -62,14 +62,9 @@ class PagedFp8Gather:
                 dst[0] = src[0]
         s_base = ring_base.toint()
         for c in cutlass.range_constexpr(chunks.start, chunks.stop):
-            off, nbytes, tile = unit_bytes(c, unit)
+            off, _, tile = unit_bytes(c, unit)
             for p in cutlass.range_constexpr(passes):
-                if cutlass.const_expr(nbytes == 8):
-                    w0, w1 = load_8_bytes(cutlass.Int64(off), data[p])
-                    e = (scales[tile // 4, p] >> (8 * (tile % 4))) & 0xFF
-                    out = dequant_e4m3x8(w0, w1, e)
-                else:
-                    out = load_16_bytes(cutlass.Int64(off), data[p])
+                out = load_unit(data[p], off, tile, None if tile is None else scales[tile // 4, p])
                 row = self.gather_row(tidx, p)
                 store_16_bytes(s_base + gather_offset(row, unit, c, s, self.tile_n, self.head_dim) * 2, out)
             # the stores are the generic proxy, the wgmma's reads the async one
