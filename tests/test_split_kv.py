@@ -173,6 +173,17 @@ def test_choose_splits():
     assert split_kv.choose_splits(units=0, n_tiles=10, sms=132) == 1
 
 
+def test_decode_splits():
+    """Decode's lists (``DECODE_MIN_TILES``): the counts the H200 sweep of FlashMLA's CONFIG1-4
+    found best or within 4 % of it (tools/split_sweep.py --fp8, docs/serving.md). 128 heads, s_q 2:
+    a token is 2 Q tiles, so batch b is 4 b units."""
+    auto = lambda b, keys: split_kv.auto_splits(1, 2 * b, 128, 1, keys, 132, split_kv.DECODE_MIN_TILES)  # noqa: E731
+    assert auto(2, 1024) == 8 and auto(2, 128) == 1  # the extra list in 8 pairs; the window's 2 tiles whole
+    assert auto(8, 1024) == 4 and auto(32, 1024) == 1 and auto(64, 1024) == 1
+    # the prefill default would leave batch 2's 1024 keys in 2 splits (16 of 132 SMs busy)
+    assert split_kv.auto_splits(1, 4, 128, 1, 1024, 132) == 2
+
+
 def test_bad_split_requests_are_refused():
     for bad in (0, -1, 65, 2.0, True, "4"):
         with pytest.raises(ValueError, match="num_splits"):

@@ -1,7 +1,9 @@
 """Split-KV decode: the kernels' time, CUDA-graph replayed, for explicit split counts (the data
 behind ``common/split_kv.choose_splits``): DeepSeek-V4's layers (window + HCA entries or CSA
 top-512) and dense MQA decode (128 heads on one K = V head, every key visible), one token per
-request. ``python -m tools.split_sweep [--modes hca csa dense] [--splits 1 2 4] [--sk 65536]``."""
+request; and FP8 decode from paged caches (``--fp8``: FlashMLA's MODEL1 CONFIG1-4 through
+``e_fused.decode``, each list cut into S, beside FlashMLA's time on the same caches).
+``python -m tools.split_sweep [--modes hca csa dense] [--splits 1 2 4] [--sk 65536] [--fp8]``."""
 
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ def main():
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 5, 8])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--sk", type=int, nargs="+", default=[65536])
+    ap.add_argument("--fp8", action="store_true", help="FP8 decode (FlashMLA's CONFIG1-4) instead of --modes")
     a = ap.parse_args()
     from dsv4_attention.stages import e_fused
 
     dev = torch.device("cuda")
+    if a.fp8:
+        fp8_sweep(dev, a.batch, a.splits)
+        return
     for mode in a.modes:
         for sk in a.sk:
             for b in a.batch:
@@ -38,6 +44,50 @@ def main():
                 print(f"{mode} b{b} sk{sk}: " + ", ".join(out), flush=True)
                 del c
                 torch.cuda.empty_cache()
+
+
+
+def fp8_sweep(dev, batches, splits):
+    """``e_fused.decode`` over FlashMLA's MODEL1 CONFIG1-4 caches with S splits a list (S 0: the
+    automatic choice), graph-replayed, and FlashMLA's decode on the same caches."""
+    from tools.bench_decode import FP8_CONFIGS
+
+    for config in FP8_CONFIGS:
+        for b in batches:
+            print(f"fp8 CONFIG{config} b{b}: " + ", ".join(fp8_case(dev, config, b, splits)), flush=True)
+            torch.cuda.empty_cache()
+
+
+def fp8_case(dev, config: int, b: int, splits) -> list:
+    from dsv4_attention.stages import e_fused
+    from tools.bench_decode import FP8_CONFIGS, fp8_cache
+
+    heads, s_q, w_tokens, w_topk, w_page, x_tokens, x_topk, x_page, x_len = FP8_CONFIGS[config]
+    g = torch.Generator().manual_seed(config * 1000 + b)
+    win, win_idx = fp8_cache(dev, b, s_q, w_tokens, w_page, w_topk, g)
+    ext, ext_idx = fp8_cache(dev, b, s_q, x_tokens, x_page, x_topk, g)
+    ext_len = torch.randint(0, x_topk + 1, (b,), generator=g).int().to(dev) if x_len else None
+    q = (torch.randn(b, s_q, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
+    sink = torch.randn(heads, generator=g).to(dev)
+    kw = dict(attn_sink=sink, extra_k_cache=ext, extra_indices=ext_idx, extra_topk_length=ext_len,
+              softmax_scale=512 ** -0.55, check_indices=False)
+    ref = e_fused.decode(q, win, win_idx, **kw)[0].float()
+    out = []
+    for s in splits:
+        n = None if s == 0 else s
+        o = e_fused.decode(q, win, win_idx, num_splits=n, **kw)[0].float()
+        ms = graph_ms([lambda n=n: e_fused.decode(q, win, win_idx, num_splits=n, **kw)])
+        out.append(f"S={s or 'auto'}: {ms * 1e3:.1f} us ({(o - ref).abs().max().item():.2g})")
+    try:
+        import flashmla_peer as fm  # pyright: ignore[reportMissingImports] (GPU peer)
+
+        meta = fm.FlashMLASchedMeta()
+        peer_ms = graph_ms([lambda: fm.with_kvcache_sparse(q, win, win_idx, None, sink, ext, ext_idx, ext_len,
+                                                           softmax_scale=512 ** -0.55, sched_meta=meta)])
+        out.append(f"flashmla: {peer_ms * 1e3:.1f} us")
+    except Exception as e:  # noqa: BLE001 - the sweep reports what it could time
+        out.append(f"flashmla failed: {type(e).__name__}: {e}"[:200])
+    return out
 
 
 if __name__ == "__main__":

@@ -123,3 +123,15 @@ def store_16_bytes(smem_addr: cutlass.Int32, words, *, loc=None, ip=None) -> Non
         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
     )
+
+
+@dsl_user_op
+def load_shared_16_bytes(smem_addr: cutlass.Int32, *, loc=None, ip=None):
+    """Four 32-bit words from shared-window address ``smem_addr`` (16-byte aligned): a raw piece
+    a thread staged there by cp.async (after its group's wait)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [_int(smem_addr, cutlass.Int32, loc, ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    return _values(res, 4, loc, ip)

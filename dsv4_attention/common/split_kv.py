@@ -42,6 +42,9 @@ import torch
 MAX_SPLITS = 64
 AUTO_SPLITS = 32  # the most ``choose_splits`` takes (the merge reads S parts of each row)
 MIN_TILES = 8  # a split's least KV tiles when the splits are chosen
+# decode from FP8 pages (``e_fused.decode``): a list of 2-16 tiles whose gather, not the unit's
+# fixed cost, is the time; one seesaw pair a split (tools/split_sweep.py --fp8, docs/serving.md)
+DECODE_MIN_TILES = 2
 
 
 def split_visits(n_tiles, split, num_splits):
@@ -56,7 +59,7 @@ def split_visits(n_tiles, split, num_splits):
     return n_tiles - lo, cutlass.max(cutlass.min(per, n_tiles - lo), 0)
 
 
-def choose_splits(units: int, n_tiles: int, sms: int) -> int:
+def choose_splits(units: int, n_tiles: int, sms: int, min_tiles: int = MIN_TILES) -> int:
     """S for ``units`` Q tiles of about ``n_tiles`` KV tiles each on ``sms`` SMs: the most that
     keeps every unit in one wave (units S <= sms) and each split at least MIN_TILES tiles, at most
     AUTO_SPLITS. Measured on the H100 (tools/split_sweep.py, docs/stages/e_fused.md): the best
@@ -65,14 +68,15 @@ def choose_splits(units: int, n_tiles: int, sms: int) -> int:
     DeepSeek-V4's 64k-token spans (10 tiles) are not split."""
     if units <= 0:
         return 1
-    return max(1, min(AUTO_SPLITS, sms // units, n_tiles // MIN_TILES))
+    return max(1, min(AUTO_SPLITS, sms // units, n_tiles // min_tiles))
 
 
-def auto_splits(batch: int, seqlen_q: int, group: int, kv_heads: int, keys: int, sms: int) -> int:
+def auto_splits(batch: int, seqlen_q: int, group: int, kv_heads: int, keys: int, sms: int,
+                min_tiles: int = MIN_TILES) -> int:
     """``choose_splits`` for a call's shapes: 64-row Q tiles (the seesaw's) of ``group`` packed
     heads per token, ``keys`` a row sees at most (its window and compressed keys), ``sms`` SMs."""
     units = -(-seqlen_q * group // 64) * kv_heads * batch
-    return choose_splits(units, -(-keys // 64), sms)
+    return choose_splits(units, -(-keys // 64), sms, min_tiles)
 
 
 def check_num_splits(num_splits, seesaw: bool, varlen: bool, arch: str) -> int:

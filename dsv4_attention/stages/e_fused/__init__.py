@@ -330,7 +330,8 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
                                          check_indices)
         sources.append((kv, kv_pages, idx))
     sms = device_sms()
-    counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms) if num_splits is None
+    counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms, split_kv.DECODE_MIN_TILES)
+              if num_splits is None
               else split_kv.check_num_splits(num_splits, True, False, "sm90") for _, _, idx in sources]
     o_part, lse_part = split_kv.partial_buffers(sum(counts), (1, b * s_q, h, d), (1, h, b * s_q), q.device)
     o = torch.empty(1, b * s_q, h, d, dtype=q.dtype, device=q.device)

@@ -43,7 +43,7 @@ from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit,
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP, make_tma_tile_atom
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, chunk_views, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
-from dsv4_attention.stages.e_fused.sm90_pages import PagedFp8Gather
+from dsv4_attention.stages.e_fused.sm90_pages import PagedFp8Gather, staging_bytes
 
 GATHER_BYTES = ROW_UNIT_BYTES  # one cp.async: 8 bf16 columns of a row
 UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte row
@@ -80,12 +80,13 @@ class RequestEntries(NamedTuple):
 class EntrySources(NamedTuple):
     """What ``load_kv`` takes to load an entries tile (``entry_sources``): the TMA atom and this
     tile's chunk views of the entries, the ring's first byte and the rows' memory (top-k gathers),
-    and the producer warp."""
+    the producer warp, and (FP8 pages) the staging buffer's address."""
     atom: Any
     tCgC: Any
     ring_base: Any
     mC_mem_hb: Any
     warp_idx: Any
+    staging: Any = None
 
 
 class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
@@ -103,6 +104,8 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
             # per consumer thread pay for it (setmaxnreg: 64K per CTA)
             self.consumer_regs -= 16
             self.producer_regs += 16 * self.num_wg
+            if self.kv_pages and not self.seesaw:
+                raise ValueError("kv_pages: the FP8 gather loads a slot by the seesaw's halves (head dim 512)")
             if self.kv_pages and not self.split_kv:
                 # the dequantizing gather keeps each row's address and scale words: at 56 registers
                 # ptxas spilled 48 bytes. Split-KV's consumers spill at 216 (its partial stores),
@@ -124,7 +127,16 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
                              entries.cu_seqlens_c)
 
     def stage_words(self) -> int:
-        return self.tile_n * self.slots if self.has_topk else 0
+        if not self.has_topk:
+            return 0
+        lists = self.tile_n * self.slots
+        if self.kv_pages:  # then the FP8 gather's staging buffer, 16-byte aligned (4 words of slack)
+            return lists + 4 + staging_bytes(self.tile_n) // 4
+        return lists
+
+    def staging_address(self, words):
+        """The FP8 gather's staging buffer: after the lists in ``stage_words``, 16-byte aligned."""
+        return (words.iterator.toint() + self.tile_n * self.slots * 4 + 15) & -16
 
     @cute.jit
     def prefetch_entries(self, entries):
@@ -171,7 +183,7 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
             return None
         atom, mC_hb, mC_mem_hb = tile.entries
         if cutlass.const_expr(self.kv_pages):  # gathered by address only
-            return EntrySources(None, None, smem.ring_base, mC_mem_hb, warp_idx)
+            return EntrySources(None, None, smem.ring_base, mC_mem_hb, warp_idx, self.staging_address(smem.stage_words))
         _, tCgC = chunk_views(atom, mC_hb, smem.sK, self.tile_n)
         return EntrySources(atom, tCgC, smem.ring_base, mC_mem_hb, warp_idx)
 
@@ -212,7 +224,7 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
         if cutlass.const_expr(self.has_topk):  # all four producer warps run this
             if n < span.n_cmp:
                 if cutlass.const_expr(self.kv_pages):
-                    self.gather_fp8_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
+                    self.gather_fp8_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, sources.staging, half)
                 else:
                     self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
             elif sources.warp_idx == 0:
