@@ -401,6 +401,8 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
     if compressed_kv is not None or compress_ratio is not None or topk_indices is not None:
         if topk_indices is not None and compressed_kv is None:
             raise ValueError("topk_indices lists entries of compressed_kv: pass compressed_kv and compress_ratio")
+        if compressed_kv is None or compress_ratio is None:  # before any use of either
+            raise ValueError("compressed_kv and compress_ratio go together: pass both (or neither)")
         n_entries = compressed_kv.shape[1]
         if kv_pages:  # a paged FP8 cache's bytes (index_attention checked its layout): every slot a row
             n_entries *= kv_pages
