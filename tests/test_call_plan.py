@@ -382,3 +382,32 @@ def test_a_decode_step_is_planned_once_its_lists_are_the_engines(kernel, monkeyp
     for _ in range(2):
         e_fused.decode(q, win, idx, **{**kw, "check_indices": True})
     assert len(resolved) == 4 + 2 * 2  # every checked step resolves both lists
+
+
+def test_decode_in_one_launch_hands_both_caches_to_one_kernel(kernel, monkeypatch):
+    """``decode(one_launch=True)``: one launch whose entries bundle carries both caches' bytes and
+    both lists (``Entries.extra`` / ``extra_topk``: the second cache's pages and lists as given, no
+    copy), the sink in the kernel where it does not split (no partial buffers), and the engine's
+    repeated step planned (no second resolve)."""
+    from dsv4_attention.common import seams
+
+    q, win, idx, ext, ext_idx = decode_case()
+    resolved = []
+    real = interface.resolve_masks
+    monkeypatch.setattr(interface, "resolve_masks", lambda *a, **k: resolved.append(1) or real(*a, **k))
+    sink = torch.randn(64)
+    kw = {"extra_k_cache": ext, "extra_indices": ext_idx, "attn_sink": sink, "num_splits": 1,
+          "check_indices": False, "one_launch": True}
+    e_fused.decode(q, win, idx, **kw)
+    assert len(kernel) == 1 and len(resolved) == 1
+    args = kernel[-1]
+    entries = args[6 + seams.TAIL.index("entries")]
+    assert entries.extra.data_ptr() == ext.data_ptr() and entries.extra.shape[1] == ext.shape[0]
+    assert entries.compressed.data_ptr() == win.data_ptr()
+    assert torch.equal(entries.topk[0].view(2, 2, 64), idx) and torch.equal(entries.extra_topk[0].view(2, 2, 128),
+                                                                            ext_idx)
+    assert args[PARTS].o is None and args[6 + seams.TAIL.index("sink")] is sink
+    e_fused.decode(q, win, idx, **kw)  # planned: no checks
+    assert len(kernel) == 2 and len(resolved) == 1
+    a, b = kernel  # decode's views and outputs are new each step: the same memory, O and LSE aside
+    assert same_args(a[:3] + a[5:], b[:3] + b[5:], same_view)

@@ -208,6 +208,9 @@ CASES = [
     # serving: index mode over a paged FP8 cache (pages of 64, the sink)
     (512, {"kv_shared": True, "pack_group": 64, "has_sink": True, "has_compressed": True, "has_topk": True,
            "index_mode": True, "kv_pages": 64}),
+    # decode in one launch: the window cache (pages of 256) and the extra cache (pages of 64)
+    (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
+           "index_mode": True, "kv_pages": 256, "kv_pages_extra": 64}),
 ]
 
 

@@ -86,8 +86,11 @@ CASES = [(64, 2, 128, 512, 64, False), (128, 2, 128, 1024, 64, False), (64, 2, 1
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-sq{c[1]}-top{c[2]}+{c[3]}p{c[4]}{'-len' * c[5]}")
 @pytest.mark.parametrize("batch", [3, 9])
-def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, record_errors):
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two_launches", "one_launch"])
+def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, one_launch, record_errors):
     heads, s_q, topk, ex_topk, ex_page, ex_len = case
+    if one_launch and not ex_topk:
+        pytest.skip("one_launch reads two caches; this case has the window's only")
     g = fresh_generator()
     length = torch.randint(0, topk + 1, (batch,), generator=g).int()
     length[:2] = torch.tensor([0, topk])  # a request whose window list is cut to nothing, one full
@@ -104,6 +107,7 @@ def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, record_errors
                   extra_topk_length=None if ex_length is None else ex_length.cuda())
     q = (torch.randn(batch, s_q, heads, 512, generator=g)).to(torch.bfloat16).cuda()
     sink = sinks_with_infinities(heads, g)
+    kw["one_launch"] = one_launch
     o, lse = stage.decode(q, win, win_idx, attn_sink=sink, **kw)
     o_ref, lse_ref = reference(q, sources, sink)
     # rows as the LSE indexes them: (batch, head, token)
@@ -114,6 +118,7 @@ def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, record_errors
     assert torch.equal(o, o2) and torch.equal(lse, lse2)  # bitwise repeatable
     fm = _peer()
     if fm is not None:  # FlashMLA's own FP8 decode on the same caches (its LSE: +inf on empty rows)
+        kw.pop("one_launch")
         o_p, lse_p = fm.with_kvcache_sparse(q, win, win_idx, length.cuda(), sink, kw.get("extra_k_cache"),
                                             kw.get("extra_indices"), kw.get("extra_topk_length"))
         e = errors(o, o_p.double())
@@ -196,7 +201,8 @@ def test_decode_reads_bf16_pages_as_it_reads_their_fp8_form(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_replays_in_a_cuda_graph(arch):
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two_launches", "one_launch"])
+def test_decode_replays_in_a_cuda_graph(arch, one_launch):
     """A decode step captured once (check_indices=False: no host read) and replayed after the
     caches and q change in place gives the eager call's bits."""
     g = fresh_generator()
@@ -205,7 +211,8 @@ def test_decode_replays_in_a_cuda_graph(arch):
     ext, _, ext_idx = paged_cache(batch, s_q, 800, 64, 512, g)
     q = torch.randn(batch, s_q, heads, 512, generator=g).to(torch.bfloat16).cuda()
     sink = torch.randn(heads, generator=g).cuda()
-    kw = {"attn_sink": sink, "extra_k_cache": ext, "extra_indices": ext_idx, "check_indices": False}
+    kw = {"attn_sink": sink, "extra_k_cache": ext, "extra_indices": ext_idx, "check_indices": False,
+          "one_launch": one_launch}
     stage.decode(q, win, win_idx, **kw)  # compiles and plans outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -231,7 +238,11 @@ def test_decode_refuses_bad_input(arch):
              ((q, squeezed, idx), {}, "apart"), ((q, win, idx[:, :1]), {}, "s_q"),
              ((q, win, idx), {"topk_length": torch.full((2,), 65, dtype=torch.int32, device="cuda")}, "topk_length"),
              ((q, win, idx), {"extra_k_cache": win}, "together"),
-             ((q, win, idx), {"attn_sink": torch.zeros(3, device="cuda")}, "sink")]
+             ((q, win, idx), {"attn_sink": torch.zeros(3, device="cuda")}, "sink"),
+             ((q, win, idx), {"one_launch": True}, "two paged FP8 caches"),
+             ((q, kc.dequantize_kv_cache(win), idx), {"extra_k_cache": win, "extra_indices": idx, "one_launch": True},
+              "two paged FP8 caches"),
+             ((q, win, idx), {"extra_k_cache": win, "extra_indices": idx + slots, "one_launch": True}, "extra_indices")]
     for args, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             stage.decode(*args, **kw)

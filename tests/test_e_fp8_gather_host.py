@@ -10,8 +10,13 @@ gather's 8-threads-a-row map and a staging offset without the thread are rejecte
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
 import pytest
+import torch
+from cutlass import Int32
 
+from dsv4_attention.common import jit
 from dsv4_attention.common import kv_cache as kc
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
 from dsv4_attention.stages.e_fused import sm90_pages as pg
@@ -97,3 +102,87 @@ def test_staging_is_thread_private_and_fits():
 @pytest.mark.proof
 def test_staging_checker_rejects_a_shared_place():
     assert not private_and_inside(staging_ranges(lambda ci, p, t, n: (ci * n + p) * 16), pg.staging_bytes(TILE_N))
+
+
+# ---------------------------------------------------------------------------------------
+# decode in one launch: two lists as one (common/compressed.TwoListSpan), run on the CPU
+
+
+def two_list_runner(wrong: bool = False):
+    """A host function (compiled for sm_90a, run on the CPU) that builds the kernel's span of the
+    two lists and records ``listed_entry`` at every (tile, row) and the span's tile count.
+    ``wrong``: a span that forgets the second list's offset (negative control)."""
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.compressed import TwoListSpan
+
+    class NoOffset(TwoListSpan):
+        @cute.jit
+        def listed_entry(self, n, r):
+            pos = n * self.tile_n + r
+            j = Int32(-1)
+            if pos < self.k_a:
+                j = self.idx_row[pos]
+            elif pos < self.k:
+                j = self.idx_row_b[pos - self.k_a]
+            return j
+
+    cls = NoOffset if wrong else TwoListSpan
+
+    @cute.jit
+    def host(out: cute.Tensor, info: cute.Tensor, a: cute.Tensor, b: cute.Tensor, count: Int32, first: Int32):
+        span = cls(0, 64, 1, 64, TILE_N, 64, count, a, a.shape[0], b, b.shape[0], first)
+        info[0] = span.n_tiles
+        info[1] = span.k
+        for n in cutlass.range(span.n_tiles, unroll=1):
+            for r in cutlass.range(TILE_N, unroll=1):
+                out[n, r] = span.listed_entry(n, r)
+
+    bufs = [torch.zeros(40, TILE_N, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+            torch.zeros(128, dtype=torch.int32), torch.zeros(1024, dtype=torch.int32)]
+    with target_arch("sm90"):
+        fn = cute.compile(host, *[jit.as_cute(t) for t in bufs], Int32(1), Int32(1),
+                          options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    return fn
+
+
+def two_list_reference(a, b, count, first):
+    """The unified list the span stands for: a's entries in [0, first) as themselves, b's in
+    [0, count - first) as first + entry, every other position -1."""
+    out = [x if 0 <= x < first else -1 for x in a]
+    out += [first + x if 0 <= x < count - first else -1 for x in b]
+    return out
+
+
+def two_list_failures(fn, cases):
+    g = torch.Generator().manual_seed(11)
+    bad = []
+    for k_a, k_b, first, rest in cases:
+        a = torch.randint(-2, first + 3, (k_a,), generator=g, dtype=torch.int32)
+        b = torch.randint(-2, rest + 3, (k_b,), generator=g, dtype=torch.int32)
+        out, info = torch.full((40, TILE_N), -7, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        fn(jit.as_cute(out), jit.as_cute(info), jit.as_cute(a), jit.as_cute(b), first + rest, first)
+        n_tiles = max(-(-(k_a + k_b) // TILE_N), 1)
+        want = two_list_reference(a.tolist(), b.tolist(), first + rest, first)
+        want += [-1] * (n_tiles * TILE_N - len(want))
+        got = out[:n_tiles].reshape(-1).tolist()
+        if int(info[0]) != n_tiles or int(info[1]) != k_a + k_b or got != want:
+            bad.append((k_a, k_b, first, rest))
+    return bad
+
+
+TWO_LIST_CASES = [(128, 512, 256 * 40, 64 * 9), (128, 1024, 1000, 2 * 3000), (100, 70, 300, 50), (1, 1, 5, 5),
+                  (64, 960, 64, 64)]
+
+
+@pytest.mark.proof
+def test_two_lists_resolve_into_one():
+    """Every list position of both lists resolves to the entry the unified list holds (window
+    entries as themselves, extra entries offset by the first cache's slot count, -1 for padding,
+    negative values and out-of-range entries of either cache), the tile count covers both lists
+    (a tile may straddle them: k_a = 100), and positions past both are -1."""
+    assert two_list_failures(two_list_runner(), TWO_LIST_CASES) == []
+
+
+@pytest.mark.proof
+def test_two_list_checker_rejects_a_span_without_the_offset():
+    assert len(two_list_failures(two_list_runner(wrong=True), TWO_LIST_CASES)) == len(TWO_LIST_CASES)

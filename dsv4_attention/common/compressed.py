@@ -38,14 +38,16 @@ from dsv4_attention.common.softmax import acc_rows_view
 
 
 def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index_mode: bool,
-                has_positions: bool = False, padded_topk: bool = False, kv_pages: int = 0) -> None:
+                has_positions: bool = False, padded_topk: bool = False, kv_pages: int = 0,
+                kv_pages_extra: int = 0) -> None:
     """Stage E's compile-time options on a kernel object (both archs), refused where they do not
     compose: compressed entries are K = V rows; top-k lists need the compressed tensor and Q tiles
     of one token (pack_group a multiple of ``tile_m``, or, where the kernel pads (``padded_topk``:
     sm100), exactly half of it: ``pack_heads.padded_topk_group``); index mode is top-k with no
     window, batched; per-token positions (``has_positions``: the kernel takes mPositions) have no
     meaning in index mode; ``kv_pages`` (the tokens a page of a MODEL1 FP8 cache, common/kv_cache.py:
-    the compressed tensor is that cache's bytes) serves index mode at head dim 512 in bf16."""
+    the compressed tensor is that cache's bytes) serves index mode at head dim 512 in bf16;
+    ``kv_pages_extra`` (decode's second cache, ``Entries.extra``: its tokens a page) needs it."""
     from dsv4_attention.common.pack_heads import padded_topk_group
 
     kernel.has_compressed, kernel.has_topk, kernel.index_mode = bool(has_compressed), bool(has_topk), bool(index_mode)
@@ -68,6 +70,9 @@ def set_options(kernel, tile_m: int, has_compressed: bool, has_topk: bool, index
     kernel.kv_pages = int(kv_pages)
     if kernel.kv_pages and not (kernel.index_mode and kernel.head_dim == 512 and kernel.dtype is cutlass.BFloat16):
         raise ValueError("kv_pages (a paged FP8 cache) serves index mode at head dim 512, bf16 q")
+    kernel.kv_pages_extra = int(kv_pages_extra)
+    if kernel.kv_pages_extra and not kernel.kv_pages:
+        raise ValueError("kv_pages_extra (a second paged FP8 cache) goes with kv_pages")
 
 
 def varlen_entries(request, mC, mC_mem, mTopk, mPositions, mCuSeqlensQ, mCuSeqlensC):
@@ -327,3 +332,37 @@ class IndexSpan(TopkSpan):
         self.n_cmp = cutlass.max((k + tile_n - 1) // tile_n, 1)
         self.window_tiles = 0
         self.n_tiles = self.n_cmp
+
+
+class TwoListSpan(IndexSpan):
+    """Index mode over two lists (serving's decode: the window cache's list and the extra cache's,
+    one softmax): the token's keys are list A's k_a positions, then list B's k_b, as one list of
+    k_a + k_b positions (n_tiles = max(ceil((k_a + k_b) / T), 1); a tile may hold both lists'
+    positions). An entry is resolved into one index space of both caches' slots: list A's entry j
+    names slot j of cache A (kept where 0 <= j < first, the A slot count), list B's names slot
+    first + j (kept where 0 <= j < count - first). ``listed_entry`` returns that resolved entry (or
+    -1); the producer stages it as the tile's list, so the masks (``mask_topk_tile`` with count and
+    k = k_a + k_b) read one list as for a single one, and the gather takes a row from cache B
+    where its resolved entry is >= first."""
+
+    _DYNAMIC = IndexSpan._DYNAMIC + ("idx_row_b", "k_a", "first")
+
+    def __init__(self, m_block, rows, seqlen_k, tile_m: int, tile_n: int, group: int, n_compressed, idx_row, k_a,
+                 idx_row_b, k_b, first):
+        super().__init__(m_block, rows, seqlen_k, tile_m, tile_n, group, n_compressed, idx_row, k_a + k_b)
+        self.idx_row_b, self.k_a, self.first = idx_row_b, k_a, first
+
+    @cute.jit
+    def listed_entry(self, n, r):
+        """The resolved entry at list position n T + r (class doc), or -1."""
+        pos = n * self.tile_n + r
+        j = cutlass.Int32(-1)
+        if pos < self.k_a:
+            a = self.idx_row[pos]
+            if (a >= 0) & (a < self.first):
+                j = a
+        elif pos < self.k:
+            e = self.idx_row_b[pos - self.k_a]
+            if (e >= 0) & (e < self.count - self.first):
+                j = e + self.first
+        return j

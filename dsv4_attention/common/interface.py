@@ -29,12 +29,13 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                            seqused_k: bool = False, has_left: bool = False, has_right: bool = False,
                            plain: bool = False, varlen: bool = False, has_sink: bool = False,
                            has_compressed: bool = False, has_topk: bool = False, has_positions: bool = False,
-                           split_kv: bool = False, kv_pages: int = 0, **_):
+                           split_kv: bool = False, kv_pages: int = 0, kv_pages_extra: int = 0, **_):
     """CPU arguments of an attention kernel for the kernel options given, as a call passes them
     (common/jit.py: compiled against their dtypes and ranks, every shape dynamic): K = V (one
     tensor as K and V) and the trailing seam bundles of stage D1's kernel and those built on it
     (``plain``: a kernel without them, stages B and C). ``kv_pages``: the compressed entries are a
-    paged FP8 cache's bytes, [1, pages, 1, page bytes] uint8 (stage E's serving gather)."""
+    paged FP8 cache's bytes, [1, pages, 1, page bytes] uint8 (stage E's serving gather);
+    ``kv_pages_extra``: a second such cache and its lists (``Entries.extra``, decode's)."""
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype)
     k = torch.empty(2, seqlen_k, 2, head_dim, dtype=dtype)
     lse = torch.empty(2, 4, 300, dtype=torch.float32)
@@ -54,7 +55,9 @@ def attention_example_args(dtype: torch.dtype, head_dim: int, seqlen_k: int = 10
                           4 if has_compressed else 0,
                           torch.zeros(2, 300, 160, dtype=torch.int32) if has_topk else None, 0,
                           torch.zeros(2, 300, dtype=torch.int32) if has_positions else None,
-                          cu if varlen and has_compressed else None),
+                          cu if varlen and has_compressed else None,
+                          entries_example(dtype, head_dim, kv_pages_extra) if kv_pages_extra else None,
+                          torch.zeros(2, 300, 96, dtype=torch.int32) if kv_pages_extra else None),
             parts)
     return args
 
@@ -192,7 +195,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              learnable_sink=None, compressed_kv=None, compress_ratio=None, topk_indices=None,
                              kv_start=0, index_mode=False, positions=None, cu_seqlens_compressed=None,
-                             check_indices=True, num_splits=1, kv_pages=0, split_into=None):
+                             check_indices=True, num_splits=1, kv_pages=0, split_into=None, extra_pages=None):
     """The call of stages D2-D4: stage D1's options (K = V from the tensors, ``p_in_smem``) plus
     the packed group (D2: ``pack_gqa``, g chosen against ``tile_rows(arch, head_dim, kv_shared,
     p_in_smem)``), per-request key counts (D3: ``seqused_k``, validated before launch) and the
@@ -222,6 +225,9 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     lse_part) (batched, no varlen): ``split_kv.partial_buffers``-shaped fp32 views of a larger
     buffer; the call writes its S = o_part.shape[0] / batch splits there (S = 1 too) and merges
     nothing, its caller merging them with others (``decode``'s two key lists: one exact merge).
+    ``extra_pages`` (bytes, page size, lists) (index mode with ``kv_pages``): a second paged FP8
+    cache, [1, pages, 1, page bytes], and its lists [1, tokens, k_b]; a token's keys are both
+    lists in one softmax (``decode`` in one launch; common/compressed.TwoListSpan).
 
     One straight line: the plan (a repeated signature replays it), the shapes of a
     variable-length call, the common checks (``check_call``), its offsets (``resolve_varlen``),
@@ -234,9 +240,12 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     plan_tensors = [learnable_sink, compressed_kv, topk_indices]
     if split_into is not None:  # the caller's buffers, in the slots a split call's own take
         plan_tensors += list(split_into)
+    if extra_pages is not None:
+        plan_tensors += [extra_pages[0], extra_pages[2]]
     if not varlen and seqused_k is None and (topk_indices is None or not check_indices) and positions is None:
         plan = call_plan.typed(p_in_smem, pack_gqa, window[0], window[1], kv_start, compress_ratio, index_mode,
-                               check_indices, num_splits, kv_pages, split_into is not None)
+                               check_indices, num_splits, kv_pages, split_into is not None,
+                               None if extra_pages is None else extra_pages[1])
         plan_key, done = call_plan.lookup(stage_id, q, k, v, softmax_scale, out, lse_out, plan, plan_tensors)
         if done is not None:
             return None if split_into is not None else done
@@ -268,7 +277,7 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
                          compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
                          kv_start=kv_start, index_mode=index_mode, positions=positions,
                          check_indices=check_indices, num_splits=num_splits, varlen=varlen_offsets,
-                         kv_pages=kv_pages, split_into=split_into)
+                         kv_pages=kv_pages, split_into=split_into, extra_pages=extra_pages)
     o4, lse4 = outputs(q, out, lse_out)
     result = (o, lse) if varlen else (o4, lse4)
     if k.shape[1] == 0:
@@ -354,7 +363,8 @@ def resolve_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, seqused_k, window, learnable_sink,
                   compressed_kv, compress_ratio, topk_indices, kv_start, index_mode, positions, check_indices,
-                  num_splits, varlen: VarlenOffsets | None, kv_pages: int = 0, split_into=None) -> MaskedCall:
+                  num_splits, varlen: VarlenOffsets | None, kv_pages: int = 0, split_into=None,
+                  extra_pages=None) -> MaskedCall:
     """Check the masked stages' options against the (batched) inputs and the architecture, in
     order (kv_start, seqused_k, the sink, the packed group, positions, the compressed entries and
     their lists, the split count), and resolve the call: the kernel's compile-time options and
@@ -417,6 +427,11 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
             if topk_indices is not None:
                 if kv_pages:
                     options["kv_pages"] = int(kv_pages)
+                    if extra_pages is not None:  # decode's second cache and its lists, one launch
+                        extra, extra_size, extra_lists = extra_pages
+                        check_topk(extra_lists, q, extra.shape[1] * extra_size, group, m, arch,
+                                   check_values=check_indices, name="extra_indices")
+                        options["kv_pages_extra"] = int(extra_size)
                 else:  # any layout check_compressed took, but sm100's gather4 reads one 2D view of the rows
                     check_gather_layout(compressed_kv, arch)
                 options["has_topk"] = True
@@ -425,7 +440,8 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
     if split_into is not None:  # the caller's share of a larger merge (``decode``'s two lists)
         splits, partials = split_into[0].shape[0] // q.shape[0], tuple(split_into)
     else:
-        splits = split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen is not None)
+        splits = split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen is not None,
+                             0 if extra_pages is None else extra_pages[2].shape[2])
         partials = None
         if splits > 1:
             partials = split_kv.partial_buffers(splits, tuple(q.shape), (q.shape[0], q.shape[2], q.shape[1]),
@@ -434,8 +450,9 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
         options["split_kv"] = True  # the sink goes to the merge, not the kernel
     elif learnable_sink is not None:
         options["has_sink"] = True
+    extra = (None, None) if "kv_pages_extra" not in options else (extra_pages[0], extra_pages[2])
     ent = seams.Entries(entries[0], int(entries[1] or 0), entries[2], int(kv_start or 0), position_rows,
-                        None if varlen is None or entries[0] is None else varlen.cu_compressed)
+                        None if varlen is None or entries[0] is None else varlen.cu_compressed, *extra)
     if varlen is None:
         lengths = seams.Lengths(seqused_k)
         sink = learnable_sink if partials is None else None
@@ -449,9 +466,10 @@ def resolve_masks(arch, scale, q, k, v, *, tile_rows, p_in_smem, pack_gqa, sequs
                       learnable_sink if partials is not None else None)
 
 
-def split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen: bool) -> int:
+def split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varlen: bool, extra_keys: int = 0) -> int:
     """The call's split-KV count (common/split_kv.py): ``num_splits`` checked, or for None the
-    library's choice from the keys a row sees at most (its window and compressed keys)."""
+    library's choice from the keys a row sees at most (its window and compressed keys, and
+    ``extra_keys``: a second list's)."""
     from dsv4_attention.common import split_kv
     from dsv4_attention.common.persistent import device_sms
     from dsv4_attention.common.tiles import uses_seesaw
@@ -465,4 +483,5 @@ def split_count(arch, q, k, kv_shared, group, window, entries, num_splits, varle
     keys = k.shape[1] if left is None else min(k.shape[1], left + q.shape[1] + (right or 0))
     if entries[0] is not None:
         keys += entries[2].shape[2] if entries[2] is not None else entries[0].shape[1]
+    keys += extra_keys
     return split_kv.auto_splits(q.shape[0], q.shape[1], group, k.shape[2], keys, device_sms())

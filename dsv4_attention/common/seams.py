@@ -44,13 +44,17 @@ class Entries(NamedTuple):
     """E: ``compressed`` [batch, entries, kv_heads, d] (K = V rows), the ratio, ``topk`` [batch,
     seqlen_q, k] int32 lists (or None), ``kv_start`` (the absolute position of raw key 0),
     ``positions`` [batch or 1, seqlen_q] int32 (or None), ``cu_seqlens_c`` (varlen: each request's
-    first entry, or None)."""
+    first entry, or None); serving's second source (index mode over paged FP8 caches: decode's
+    extra cache): ``extra`` that cache's bytes [1, pages, 1, page bytes] uint8 and ``extra_topk``
+    [batch, seqlen_q, k_b] int32 its lists, a token's keys being both lists (or None, None)."""
     compressed: Any = None
     ratio: Any = 0
     topk: Any = None
     kv_start: Any = 0
     positions: Any = None
     cu_seqlens_c: Any = None
+    extra: Any = None
+    extra_topk: Any = None
 
 
 class SplitParts(NamedTuple):

@@ -260,7 +260,7 @@ def check_kv_start(kv_start, seqlen_k: int) -> None:
 
 
 def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch: str,
-               entry_limits: torch.Tensor | None = None, check_values: bool = True) -> None:
+               entry_limits: torch.Tensor | None = None, check_values: bool = True, name: str = "topk_indices") -> None:
     """Top-k compressed entries: [batch, seqlen_q, k] int32 on q's device, the last dim contiguous,
     every value -1 or an entry index in [0, n_compressed) (reads the values: one device sync, skipped
     inside a CUDA graph capture and where ``check_values`` is False: the kernel's own bound check
@@ -269,23 +269,23 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
     tiles (``group`` a multiple of the kernel's ``tile_m`` rows), or, on sm100, half of one (64
     heads on the 128-row tile: ``pack_heads.padded_topk_group``, rows 64 .. 127 padding).
     ``entry_limits`` (a variable-length batch, [seqlen_q] int32): token t's indices lie in
-    [0, entry_limits[t]) instead, its request's entries."""
+    [0, entry_limits[t]) instead, its request's entries. ``name``: the argument the errors name."""
     if not isinstance(topk_indices, torch.Tensor):
-        raise ValueError(f"topk_indices must be a torch.Tensor or None; got {type(topk_indices).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor or None; got {type(topk_indices).__name__}")
     if topk_indices.dtype != torch.int32:
-        raise ValueError(f"topk_indices.dtype must be int32; got {topk_indices.dtype}")
+        raise ValueError(f"{name}.dtype must be int32; got {topk_indices.dtype}")
     b, sq = q.shape[0], q.shape[1]
     if topk_indices.dim() != 3 or tuple(topk_indices.shape[:2]) != (b, sq):
-        raise ValueError(f"topk_indices must be [batch = {b}, seqlen_q = {sq}, k]; got {tuple(topk_indices.shape)}")
+        raise ValueError(f"{name} must be [batch = {b}, seqlen_q = {sq}, k]; got {tuple(topk_indices.shape)}")
     if topk_indices.device != q.device:
-        raise ValueError(f"topk_indices must be on {q.device} like q; got {topk_indices.device}")
+        raise ValueError(f"{name} must be on {q.device} like q; got {topk_indices.device}")
     if topk_indices.shape[2] > 1 and topk_indices.stride(2) != 1:
-        raise ValueError(f"topk_indices must have its last dim contiguous; got strides {topk_indices.stride()}")
+        raise ValueError(f"{name} must have its last dim contiguous; got strides {topk_indices.stride()}")
     from dsv4_attention.common.pack_heads import padded_topk_group
 
     padded = arch == "sm100" and padded_topk_group(group, tile_m)  # 64 heads: one token a tile, half padding
     if group % tile_m and not padded:
-        raise ValueError(f"topk_indices: each Q tile gathers one token's list, so the query heads per KV head "
+        raise ValueError(f"{name}: each Q tile gathers one token's list, so the query heads per KV head "
                          f"({group}) must be a multiple of the {arch} kernel's {tile_m}-row tile"
                          + (f" or {tile_m // 2} (one token a tile, half of it padding)" if arch == "sm100" else ""))
     if not check_values or topk_indices.numel() == 0 or \
@@ -296,12 +296,12 @@ def check_topk(topk_indices, q, n_compressed: int, group: int, tile_m: int, arch
         bad = (idx < -1) | (idx >= entry_limits[:, None])
         if bool(bad.any()):
             t, p = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"topk_indices values must be -1 or in [0, entries of the token's request); token {t} "
+            raise ValueError(f"{name} values must be -1 or in [0, entries of the token's request); token {t} "
                              f"lists {int(idx[t, p])} at position {p}, its request has {int(entry_limits[t])} entries")
         return
     lo, hi = value_range(topk_indices)
     if lo < -1 or hi >= n_compressed:
-        raise ValueError(f"topk_indices values must be -1 or in [0, {n_compressed}) (compressed_kv's entries); "
+        raise ValueError(f"{name} values must be -1 or in [0, {n_compressed}) (compressed_kv's entries); "
                          f"got min {lo}, max {hi}")
 
 

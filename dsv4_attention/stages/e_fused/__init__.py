@@ -190,13 +190,14 @@ def index_source(q, kv, indices, topk_length, check_indices):
 
 
 def index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indices, num_splits,
-                 split_into=None, lse_out=None):
+                 split_into=None, lse_out=None, extra=None):
     """Index mode on ``index_source``'s operands: (o, lse [tokens, heads]); with ``split_into``
     (decode's share of a merge: fp32 partial views) the splits are written there and None is
     returned (``out`` / ``lse_out``: the kernel's O and LSE operands, LSE [1, heads, tokens], which
     a split launch never writes: decode hands its final ones). A paged cache's kernel
     (``kv_pages``) takes a one-row stand-in as its K operand: index mode loads no window tile (the
-    descriptor is built all the same)."""
+    descriptor is built all the same). ``extra`` (kv, kv_pages, idx) of a second paged FP8 cache:
+    each token's keys are both lists, one softmax (``decode`` in one launch)."""
     if idx.shape[2] == 0 or kv.shape[0] == 0:  # no key for any token: decided without a launch
         if split_into is not None:
             split_into[0].zero_()
@@ -226,7 +227,8 @@ def index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indi
                                              tile_rows=tile_rows, learnable_sink=attn_sink, compressed_kv=entries,
                                              compress_ratio=1, topk_indices=idx, index_mode=True,
                                              check_indices=check_indices, num_splits=num_splits, kv_pages=kv_pages,
-                                             split_into=split_into)
+                                             split_into=split_into,
+                                             extra_pages=None if extra is None else (extra[0][None], *extra[1:]))
     if res is None:
         return None
     return res[0][0], res[1][0].transpose(0, 1)
@@ -256,7 +258,7 @@ def paged_source(q, cache):
 
 def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None,
            extra_topk_length=None, softmax_scale: float | None = None, check_indices: bool = True,
-           num_splits: int | None = None):
+           num_splits: int | None = None, one_launch: bool = False):
     """DeepSeek-V4's sparse decode from an inference engine's paged caches: FlashMLA's
     ``flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta, None, softmax_scale, False,
     True, indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length)``.
@@ -280,6 +282,10 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
         softmax_scale: default 512 ** -0.5.
         check_indices: as ``index_attention``'s (False: no host read of the lists or lengths).
         num_splits: splits of each list's keys (None: chosen from the shapes).
+        one_launch: both lists in one launch, one softmax over both (FP8 caches, both lists
+            given; common/compressed.TwoListSpan): no partial buffers or merge where the batch
+            fills the GPU. Compiled and proven on the host; not yet run on a GPU (2026-11-28), so
+            off by default.
 
     Returns:
         (out [batch, s_q, heads, 512] bf16, lse [batch, heads, s_q] fp32): natural log, without
@@ -330,6 +336,18 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
                                          check_indices)
         sources.append((kv, kv_pages, idx))
     sms = device_sms()
+    if one_launch:
+        if len(sources) != 2 or not all(pages for _, pages, _ in sources):
+            raise ValueError("one_launch reads two paged FP8 caches: pass k_cache and extra_k_cache as MODEL1 FP8 "
+                             "pages with both lists")
+        (kv, kv_pages, idx), extra = sources
+        if idx.shape[2] and extra[2].shape[2] and kv.shape[0] and extra[0].shape[0]:  # else one list: below
+            keys = idx.shape[2] + extra[2].shape[2]
+            n = split_kv.auto_splits(1, b * s_q, h, 1, keys, sms, split_kv.DECODE_MIN_TILES) if num_splits is None \
+                else split_kv.check_num_splits(num_splits, True, False, "sm90")
+            o, lse = index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices, n,
+                                  extra=extra)
+            return o.view(b, s_q, h, d), lse.view(b, s_q, h).permute(0, 2, 1)
     counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms, split_kv.DECODE_MIN_TILES)
               if num_splits is None
               else split_kv.check_num_splits(num_splits, True, False, "sm90") for _, _, idx in sources]

@@ -36,7 +36,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
+from dsv4_attention.common.compressed import (
+    FusedSpan,
+    IndexSpan,
+    TopkSpan,
+    TwoListSpan,
+    set_options,
+    varlen_entries,
+)
 from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import seq_major
 from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit, l2_evict_last_policy
@@ -61,6 +68,8 @@ class EntryOperands(NamedTuple):
     kv_start: Any  # the absolute position of raw key 0 (compressed visibility)
     mPositions: Any  # (batch or 1, seqlen_q) int32 query tokens' absolute positions
     mCuSeqlensC: Any  # varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1]
+    mExtra_mem: Any = None  # kv_pages_extra: the second cache's bytes (pages, bytes, 1, 1)
+    mExtraTopk: Any = None  # kv_pages_extra: its (batch, seqlen_q, k_b) lists
 
 
 class RequestEntries(NamedTuple):
@@ -75,6 +84,9 @@ class RequestEntries(NamedTuple):
     positions: Any
     ratio: Any
     kv_start: Any
+    extra_mem: Any = None  # kv_pages_extra: the second cache's bytes
+    extra_topk: Any = None  # kv_pages_extra: its (seqlen_q, k_b) lists
+    first: Any = None  # kv_pages_extra: the first cache's slot count (the second's slots follow)
 
 
 class EntrySources(NamedTuple):
@@ -87,13 +99,16 @@ class EntrySources(NamedTuple):
     mC_mem_hb: Any
     warp_idx: Any
     staging: Any = None
+    extra: Any = None  # kv_pages_extra: the second cache's bytes (pages, bytes)
 
 
 class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
-                 index_mode: bool = False, has_positions: bool = False, kv_pages: int = 0, **options):
+                 index_mode: bool = False, has_positions: bool = False, kv_pages: int = 0, kv_pages_extra: int = 0,
+                 **options):
         super().__init__(dtype, head_dim, **options)
-        set_options(self, self.tile_m, has_compressed, has_topk, index_mode, has_positions, kv_pages=kv_pages)
+        set_options(self, self.tile_m, has_compressed, has_topk, index_mode, has_positions, kv_pages=kv_pages,
+                    kv_pages_extra=kv_pages_extra)
         if self.has_topk:
             # every producer thread gathers rows; each chunk's full barrier counts all of them
             self.producer_warps = THREADS_PER_WARPGROUP // 32
@@ -123,8 +138,11 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
             mem = seq_major(entries.compressed)  # kv_pages: (pages, bytes, 1, 1), read by address only
             if cutlass.const_expr(not self.kv_pages):
                 atom, view = make_tma_tile_atom(load_op, mem, chunk_layout, self.tile_n, CHUNK_COLS)
+        extra = extra_topk = None
+        if cutlass.const_expr(self.kv_pages_extra):  # decode's second cache, read by address like the first
+            extra, extra_topk = seq_major(entries.extra), entries.extra_topk
         return EntryOperands(atom, view, entries.ratio, entries.topk, mem, entries.kv_start, entries.positions,
-                             entries.cu_seqlens_c)
+                             entries.cu_seqlens_c, extra, extra_topk)
 
     def stage_words(self) -> int:
         if not self.has_topk:
@@ -158,6 +176,9 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
             count = e.mC_mem.shape[0] * self.kv_pages
         elif cutlass.const_expr(e.mC is not None):
             count = e.mC.shape[0]
+        if cutlass.const_expr(self.kv_pages_extra):  # the second cache's slots follow the first's
+            return RequestEntries(e.atom, e.mC, e.mC_mem, count + e.mExtra_mem.shape[0] * self.kv_pages_extra, topk,
+                                  None, e.ratio, e.kv_start, e.mExtra_mem, e.mExtraTopk[b, None, None], count)
         return RequestEntries(e.atom, e.mC, e.mC_mem, count, topk, positions_row(e.mPositions, b), e.ratio,
                               e.kv_start)
 
@@ -165,6 +186,8 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
         if cutlass.const_expr(not self.has_compressed):
             return None
         e = req.entries
+        if cutlass.const_expr(self.kv_pages_extra):
+            return (None, None, e.mC_mem[None, None, head_kv, b], e.extra_mem[None, None, 0, 0])
         if cutlass.const_expr(self.kv_pages):
             return (None, None, e.mC_mem[None, None, head_kv, b])
         return (e.atom, e.mC[None, None, head_kv, b], e.mC_mem[None, None, head_kv, b])
@@ -181,9 +204,11 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
     def entry_sources(self, smem, tile, warp_idx):
         if cutlass.const_expr(not self.has_compressed):
             return None
-        atom, mC_hb, mC_mem_hb = tile.entries
         if cutlass.const_expr(self.kv_pages):  # gathered by address only
-            return EntrySources(None, None, smem.ring_base, mC_mem_hb, warp_idx, self.staging_address(smem.stage_words))
+            extra = tile.entries[3] if cutlass.const_expr(self.kv_pages_extra) else None
+            return EntrySources(None, None, smem.ring_base, tile.entries[2], warp_idx,
+                                self.staging_address(smem.stage_words), extra)
+        atom, mC_hb, mC_mem_hb = tile.entries
         _, tCgC = chunk_views(atom, mC_hb, smem.sK, self.tile_n)
         return EntrySources(atom, tCgC, smem.ring_base, mC_mem_hb, warp_idx)
 
@@ -195,6 +220,10 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
                           window.right, self.has_left, self.has_right, entries.positions, entries.kv_start)
         token = m_block * self.tile_m // self.pack_group
         e = entries
+        if cutlass.const_expr(self.kv_pages_extra):  # decode: the two caches' lists are every key
+            return TwoListSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, e.count,
+                               e.topk[token, None], e.topk.shape[1], e.extra_topk[token, None],
+                               e.extra_topk.shape[1], e.first)
         if cutlass.const_expr(self.index_mode):  # the list is every key
             return IndexSpan(m_block, rows, seqlen_k, self.tile_m, self.tile_n, self.pack_group, e.count,
                              e.topk[token, None], e.topk.shape[1])
@@ -224,7 +253,8 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
         if cutlass.const_expr(self.has_topk):  # all four producer warps run this
             if n < span.n_cmp:
                 if cutlass.const_expr(self.kv_pages):
-                    self.gather_fp8_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, sources.staging, half)
+                    self.gather_fp8_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, sources.staging, half,
+                                         sources.extra)
                 else:
                     self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
             elif sources.warp_idx == 0:

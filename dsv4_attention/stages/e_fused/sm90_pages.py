@@ -76,11 +76,13 @@ class PagedFp8Gather:
     """The FP8 page gather's methods, mixed into stage E's sm90 kernel class."""
 
     @cute.jit
-    def gather_fp8_tile(self, ring, t, n, span, ring_base: cute.Pointer, mPages: cute.Tensor, staging, half):
+    def gather_fp8_tile(self, ring, t, n, span, ring_base: cute.Pointer, mPages: cute.Tensor, staging, half,
+                        mExtra=None):
         """Ring use t, half ``half`` <- the cache tokens at list positions [n T, n T + T) of the Q
         tile's token, dequantized (module doc). ``mPages``: (pages, bytes) over the cache, a
         page's bytes contiguous, ``mPages.stride[0]`` bytes apart; ``staging``: the staging
-        buffer's shared-window address."""
+        buffer's shared-window address. ``mExtra`` (``kv_pages_extra``): the second cache alike,
+        its tokens named by resolved entries >= ``span.first`` (common/compressed.TwoListSpan)."""
         s = t % self.slots
         tidx = cute.arch.thread_idx()[0]  # 0 .. 127: the producer warpgroup
         u0, _ = piece_units(tidx)
@@ -104,10 +106,17 @@ class PagedFp8Gather:
             j = self.gather_source_row(span, n, piece_row(tidx, p))
             d_off, s_off = token_bytes(cutlass.Int64(cutlass.max(j, 0)), self.kv_pages, page_stride)
             src[p] = base + d_off
+            to_scales = s_off - d_off  # from the token's data to its scale bytes
+            if cutlass.const_expr(mExtra is not None):  # a resolved entry >= first: the second cache's slot
+                d_b, s_b = token_bytes(cutlass.Int64(cutlass.max(j - span.first, 0)), self.kv_pages_extra,
+                                       cutlass.Int64(mExtra.stride[0]))
+                in_b = j >= span.first
+                src[p] = mExtra.iterator.toint() + d_b if in_b else src[p]
+                to_scales = s_b - d_b if in_b else to_scales
             flag[p] = src[p] if j >= 0 else cutlass.Int64(0)
             nbytes[p] = cutlass.Int32(PIECE) if j >= 0 else cutlass.Int32(0)
             if cutlass.const_expr(len(words) > 0):
-                got = load_8_bytes(s_off - d_off, flag[p])  # the row's 8 scale bytes
+                got = load_8_bytes(to_scales, flag[p])  # the row's 8 scale bytes
                 for w in cutlass.range_constexpr(len(words)):
                     scales[words[w], p] = got[words[w]]
         for ci in cutlass.range_constexpr(len(staged)):
@@ -121,7 +130,10 @@ class PagedFp8Gather:
         if cutlass.const_expr(chunks.start == 0):  # the load that covers chunk 0 stages the list
             if tidx < self.tile_n:
                 lsrc, ldst = self.list_copy_views(span, n, tidx)
-                ldst[0] = lsrc[0]
+                if cutlass.const_expr(mExtra is not None):  # two lists: the resolved entry (TwoListSpan)
+                    ldst[0] = span.listed_entry(n, tidx)
+                else:
+                    ldst[0] = lsrc[0]
         s_base = ring_base.toint()
         for c in rope:  # bf16 RoPE: no conversion, straight into the slot
             for p in cutlass.range_constexpr(passes):
