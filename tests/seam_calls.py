@@ -19,7 +19,8 @@ def request_entries(kernel, count, topk=None, ratio=0, kv_start=0, positions=Non
     cls = importlib.import_module(f"dsv4_attention.stages.e_fused.{_arch(kernel)}").RequestEntries
     given = {"atom": atom, "mC": mC, "mC_mem": None, "count": count, "c_row0": c_row0, "topk": topk,
              "positions": positions, "ratio": ratio, "kv_start": kv_start}
-    return cls(**{f: given[f] for f in cls._fields})  # each arch's own fields, by name
+    # each arch's own fields, by name (decode's second cache: its defaults, None)
+    return cls(**{f: given[f] for f in cls._fields if f in given})
 
 
 def span(kernel, m_block, rows, seqlen_k, left=0, right=0, ratio=0, n_compressed=0, topk=None, kv_start=0,

@@ -594,15 +594,29 @@ def test_index_mode_reads_fp8_pages_in_place(launch, page):
         launch("sm90", stage.index_attention, q, cache, idx.clamp(min=slots))
 
 
-def test_sm100_reads_fp8_pages_but_decode_merges_on_sm90(launch):
-    """sm100's index mode takes the pages as sm90's does (its own gather, sm100_pages.py); decode's
-    exact merge of two lists goes through split-KV's partial buffers, which only sm90 writes: on
-    sm100 it is refused before launch, naming the way around."""
+def test_sm100_reads_fp8_pages_and_decodes_in_one_launch(launch):
+    """sm100's index mode takes the pages as sm90's does (its own gather, sm100_pages.py). decode's
+    two launches merge through split-KV's partial buffers, which only sm90 writes: on sm100 they
+    are refused before launch, naming the way around; ``one_launch=True`` runs there, one unsplit
+    kernel over both caches (the sink in the kernel, both pages and lists on the entries seam)."""
     q = torch.randn(4, 128, 512).bfloat16()
     args, options = launch("sm100", stage.index_attention, q, fp8_pages(), torch.zeros(4, 1, 8, dtype=torch.int32))
     assert options["kv_pages"] == 64 and args["entries"].compressed.dtype == torch.uint8
-    with pytest.raises(ValueError, match="decode runs on sm90"):  # the launch fixture's device: sm100 still
+    with pytest.raises(ValueError, match="one_launch=True"):  # the launch fixture's device: sm100 still
         stage.decode(q.view(2, 2, 128, 512), fp8_pages(), torch.zeros(2, 2, 8, dtype=torch.int32))
+    win, ext = fp8_pages(b=64), fp8_pages(nb=40, b=2, seed=6)
+    idx, ext_idx = torch.randint(-1, 192, (2, 2, 64), dtype=torch.int32), torch.randint(-1, 80, (2, 2, 128),
+                                                                                      dtype=torch.int32)
+    sink = torch.zeros(128)
+    args, options = launch("sm100", stage.decode, q.view(2, 2, 128, 512), win, idx, extra_k_cache=ext,
+                           extra_indices=ext_idx, attn_sink=sink, one_launch=True)
+    assert options["kv_pages"] == 64 and options["kv_pages_extra"] == 2 and options["has_sink"]
+    assert "split_kv" not in options and args["sink"] is sink
+    assert args["entries"].extra.data_ptr() == ext.data_ptr()
+    assert torch.equal(args["entries"].extra_topk[0], ext_idx.reshape(4, 128))
+    with pytest.raises(ValueError, match="sm90 only"):  # split-KV is sm90's
+        stage.decode(q.view(2, 2, 128, 512), win, idx, extra_k_cache=ext, extra_indices=ext_idx, one_launch=True,
+                     num_splits=2)
 
 
 @pytest.mark.parametrize("args,match", [

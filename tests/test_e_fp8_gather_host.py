@@ -186,3 +186,48 @@ def test_two_lists_resolve_into_one():
 @pytest.mark.proof
 def test_two_list_checker_rejects_a_span_without_the_offset():
     assert len(two_list_failures(two_list_runner(wrong=True), TWO_LIST_CASES)) == len(TWO_LIST_CASES)
+
+
+def sm100_words_runner():
+    """sm100's mask words of a two-list tile (``topk_tile_words`` with the span's
+    ``position_visible``, as ``mask_s_row`` calls it; the ballots assembled over the 32 lanes on
+    the host), compiled for sm_100a and run on the CPU."""
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+    from dsv4_attention.common.compressed import TwoListSpan
+    from dsv4_attention.common.sm100_softmax import topk_tile_words
+
+    tile_n = 128
+
+    @cute.jit
+    def host(out: cute.Tensor, a: cute.Tensor, b: cute.Tensor, count: Int32, first: Int32):
+        span = TwoListSpan(0, 128, 1, 128, tile_n, 128, count, a, a.shape[0], b, b.shape[0], first)
+        for n in cutlass.range(span.n_tiles, unroll=1):
+            words = topk_tile_words(span.idx_row, n * tile_n, count, span.k, tile_n, 0, True, span.position_visible)
+            for w in cutlass.range_constexpr(tile_n // 32):
+                out[n, w] = Int32(words[w])
+
+    bufs = [torch.zeros(12, 4, dtype=torch.int32), torch.zeros(128, dtype=torch.int32),
+            torch.zeros(1024, dtype=torch.int32)]
+    with target_arch("sm100"):
+        return cute.compile(host, *[jit.as_cute(t) for t in bufs], Int32(1), Int32(1),
+                            options=f"--gpu-arch={GPU_ARCH['sm100']}")
+
+
+@pytest.mark.proof
+def test_sm100_mask_words_of_two_lists():
+    """sm100's per-tile visibility bits of decode's two lists (128-key tiles) are the unified
+    list's: bit c of tile n set exactly where position 128 n + c resolves to an entry."""
+    fn = sm100_words_runner()
+    g = torch.Generator().manual_seed(5)
+    for k_a, k_b, first, rest in [(128, 512, 1000, 300), (100, 70, 300, 50), (128, 1024, 64, 4000)]:
+        a = torch.randint(-2, first + 3, (k_a,), generator=g, dtype=torch.int32)
+        b = torch.randint(-2, rest + 3, (k_b,), generator=g, dtype=torch.int32)
+        out = torch.zeros(12, 4, dtype=torch.int32)
+        fn(jit.as_cute(out), jit.as_cute(a), jit.as_cute(b), first + rest, first)
+        want = two_list_reference(a.tolist(), b.tolist(), first + rest, first)
+        n_tiles = max(-(-(k_a + k_b) // 128), 1)
+        want += [-1] * (n_tiles * 128 - len(want))
+        bits = [(int(out[n, c // 32]) >> (c % 32)) & 1 for n in range(n_tiles) for c in range(128)]
+        assert bits == [int(x >= 0) for x in want]
+        # negative control: the single-list test of the same positions reads list A past its end
+        assert bits != [int(0 <= p < k_a and 0 <= int(a[p]) < first + rest) for p in range(n_tiles * 128)]

@@ -970,6 +970,10 @@ COMPILE_CASES = [
     (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
            "index_mode": True, "kv_pages": 64}),
     (512, dict(INDEX_512_G64, kv_pages=2)),
+    # decode in one launch: the window cache (pages of 256) and the extra cache (pages of 64 / 2)
+    (512, {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
+           "index_mode": True, "kv_pages": 256, "kv_pages_extra": 64}),
+    (512, dict(INDEX_512_G64, kv_pages=256, kv_pages_extra=2)),
 ]
 
 

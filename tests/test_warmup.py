@@ -87,8 +87,8 @@ def test_the_presets_cover_deepseek_v4_on_both_archs():
 
 def test_the_serving_preset_covers_flashmla_decode_and_prefill_from_the_pages():
     """Serving: on sm90 decode's split kernels for pages of 256, 64 and 2 and index mode over pages
-    of 64, at 64 and 128 heads; on sm100 index mode over the pages, decode refused by name (its
-    merge needs sm90's split partials)."""
+    of 64, at 64 and 128 heads; on sm100 index mode over the pages, decode's two launches refused by
+    name (their merge needs sm90's split partials; the message names one_launch)."""
     configs = warmup.configurations(warmup.serving_calls(), "sm90")
     options = [dict(k[4]) for k, *_ in configs]
     assert len(configs) == 8 and all(o["index_mode"] for o in options)
@@ -97,4 +97,4 @@ def test_the_serving_preset_covers_flashmla_decode_and_prefill_from_the_pages():
     refused: list = []
     configs = warmup.configurations(warmup.serving_calls(), "sm100", refused)
     assert len(configs) == 2 and {dict(k[4])["kv_pages"] for k, *_ in configs} == {64}
-    assert len(refused) == 4 and all("decode runs on sm90" in why for _, why in refused)
+    assert len(refused) == 4 and all("one_launch=True" in why for _, why in refused)

@@ -366,3 +366,7 @@ class TwoListSpan(IndexSpan):
             if (e >= 0) & (e < self.count - self.first):
                 j = e + self.first
         return j
+
+    def position_visible(self, p):
+        """List position p is a key (sm100's mask words: ``topk_tile_words``' ``visible``)."""
+        return self.listed_entry(0, p) >= 0

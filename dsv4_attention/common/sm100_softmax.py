@@ -150,22 +150,25 @@ def topk_position_visible(idx_row: cute.Tensor, p, count, k):
 
 @cute.jit
 def topk_tile_words(idx_row: cute.Tensor, first_pos, count, k, tile_n: cutlass.Constexpr[int], lane,
-                    on_host: cutlass.Constexpr[bool] = False):
+                    on_host: cutlass.Constexpr[bool] = False, visible=None):
     """The visible positions first_pos .. first_pos + tile_n - 1 of the tile's one token as tile_n / 32
     bit words (bit l of word w: position first_pos + 32 w + l), one warp-wide ballot per word: lane l
     tests position 32 w + l. Every row of the tile is that token's, so all rows share them: 2 (T = 64)
     or 4 (T = 128) list loads per thread instead of T. ``on_host``: the same words
-    assembled by a loop over the 32 lanes (what vote.ballot returns; host proofs run on the CPU)."""
+    assembled by a loop over the 32 lanes (what vote.ballot returns; host proofs run on the CPU).
+    ``visible(p)``: the test of position p instead of ``topk_position_visible`` (decode's two lists:
+    common/compressed.TwoListSpan, a position visible where it resolves to an entry)."""
+    if const_expr(visible is None):
+        visible = lambda p: topk_position_visible(idx_row, p, count, k)  # noqa: E731
     words = []
     for w in cutlass.range_constexpr(tile_n // 32):
         if const_expr(on_host):
             word = Uint32(0)
             for lane_l in cutlass.range(32, unroll=1):
-                bit = Uint32(1) if topk_position_visible(idx_row, first_pos + 32 * w + lane_l, count, k) else Uint32(0)
+                bit = Uint32(1) if visible(first_pos + 32 * w + lane_l) else Uint32(0)
                 word = word | (bit << Uint32(lane_l))
         else:
-            word = Uint32(cute.arch.vote_ballot_sync(topk_position_visible(idx_row, first_pos + 32 * w + lane,
-                                                                          count, k)))
+            word = Uint32(cute.arch.vote_ballot_sync(visible(first_pos + 32 * w + lane)))
         words.append(word)
     return words
 

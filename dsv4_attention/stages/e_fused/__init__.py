@@ -284,8 +284,8 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
         num_splits: splits of each list's keys (None: chosen from the shapes).
         one_launch: both lists in one launch, one softmax over both (FP8 caches, both lists
             given; common/compressed.TwoListSpan): no partial buffers or merge where the batch
-            fills the GPU. Compiled and proven on the host; not yet run on a GPU (2026-11-28), so
-            off by default.
+            fills the GPU; on sm100 the only form (unsplit). Compiled and proven on the host; not
+            yet run on a GPU (2026-11-28), so off by default.
 
     Returns:
         (out [batch, s_q, heads, 512] bf16, lse [batch, heads, s_q] fp32): natural log, without
@@ -309,10 +309,10 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
     if (extra_k_cache is None) != (extra_indices is None) or (extra_topk_length is not None and extra_indices is None):
         raise ValueError("extra_k_cache and extra_indices go together (extra_topk_length with them)")
     arch = interface.arch_of_device(q.device)  # a CPU tensor: refused here, naming the device
-    if arch != "sm90":
-        raise ValueError(f"decode runs on sm90: its exact merge of the two lists goes through split-KV's partial "
-                         f"buffers, which the sm90 kernel writes; this device is {arch}: call index_attention on "
-                         f"each list (it reads the FP8 pages there too)")
+    if arch != "sm90" and not one_launch:
+        raise ValueError(f"decode's two launches merge through split-KV's partial buffers, which the sm90 kernel "
+                         f"writes; this device is {arch}: pass one_launch=True (both FP8 caches in one kernel, "
+                         f"unsplit) or call index_attention on each list")
     if attn_sink is not None:
         check_sink(attn_sink, h, q.device)
     tokens = q.reshape(b * s_q, h, d)
@@ -340,14 +340,22 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
         if len(sources) != 2 or not all(pages for _, pages, _ in sources):
             raise ValueError("one_launch reads two paged FP8 caches: pass k_cache and extra_k_cache as MODEL1 FP8 "
                              "pages with both lists")
-        (kv, kv_pages, idx), extra = sources
-        if idx.shape[2] and extra[2].shape[2] and kv.shape[0] and extra[0].shape[0]:  # else one list: below
-            keys = idx.shape[2] + extra[2].shape[2]
-            n = split_kv.auto_splits(1, b * s_q, h, 1, keys, sms, split_kv.DECODE_MIN_TILES) if num_splits is None \
-                else split_kv.check_num_splits(num_splits, True, False, "sm90")
-            o, lse = index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices, n,
-                                  extra=extra)
-            return o.view(b, s_q, h, d), lse.view(b, s_q, h).permute(0, 2, 1)
+
+        def splits(keys):  # sm100 runs unsplit (split-KV is sm90's)
+            if num_splits is not None:
+                return split_kv.check_num_splits(num_splits, True, False, arch)
+            return split_kv.auto_splits(1, b * s_q, h, 1, keys, sms, split_kv.DECODE_MIN_TILES) if arch == "sm90" else 1
+
+        live = [src for src in sources if src[2].shape[2] and src[0].shape[0]]
+        if len(live) == 2:
+            (kv, kv_pages, idx), extra = live
+            o, lse = index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices,
+                                  splits(idx.shape[2] + extra[2].shape[2]), extra=extra)
+        else:  # one list names keys (or none): index mode on it
+            kv, kv_pages, idx = live[0] if live else sources[0]
+            o, lse = index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices,
+                                  splits(idx.shape[2]))
+        return o.view(b, s_q, h, d), lse.view(b, s_q, h).permute(0, 2, 1)
     counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms, split_kv.DECODE_MIN_TILES)
               if num_splits is None
               else split_kv.check_num_splits(num_splits, True, False, "sm90") for _, _, idx in sources]

@@ -40,7 +40,14 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from dsv4_attention.common.compressed import FusedSpan, IndexSpan, TopkSpan, set_options, varlen_entries
+from dsv4_attention.common.compressed import (
+    FusedSpan,
+    IndexSpan,
+    TopkSpan,
+    TwoListSpan,
+    set_options,
+    varlen_entries,
+)
 from dsv4_attention.common.kv_span import KvSpan, positions_row
 from dsv4_attention.common.layouts import seq_major
 from dsv4_attention.common.sm100_kv import GATHER4_ROWS, block_rows_layout, gather_view, topk_rows
@@ -67,6 +74,8 @@ class EntryOperands(NamedTuple):
     kv_start: Any  # the absolute position of raw key 0 (compressed visibility)
     mPositions: Any  # (batch or 1, seqlen_q) int32 query tokens' absolute positions
     mCuSeqlensC: Any  # varlen: request b's entries are rows cu_c[b] .. cu_c[b + 1]
+    mExtra: Any = None  # kv_pages_extra: the second cache's bytes (pages, bytes, 1, 1)
+    mExtraTopk: Any = None  # kv_pages_extra: its (batch, seqlen_q, k_b) lists
 
 
 class RequestEntries(NamedTuple):
@@ -81,6 +90,9 @@ class RequestEntries(NamedTuple):
     positions: Any
     ratio: Any
     kv_start: Any
+    extra: Any = None  # kv_pages_extra: the second cache's bytes
+    extra_topk: Any = None  # kv_pages_extra: its (seqlen_q, k_b) lists
+    first: Any = None  # kv_pages_extra: the first cache's slot count (the second's slots follow)
 
 
 class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
@@ -88,10 +100,11 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
     topk_words_on_host = False
 
     def __init__(self, dtype, head_dim: int, *, has_compressed: bool = False, has_topk: bool = False,
-                 index_mode: bool = False, has_positions: bool = False, kv_pages: int = 0, **options):
+                 index_mode: bool = False, has_positions: bool = False, kv_pages: int = 0, kv_pages_extra: int = 0,
+                 **options):
         super().__init__(dtype, head_dim, **options)
         set_options(self, QK_TILE_M, has_compressed, has_topk, index_mode, has_positions, padded_topk=True,
-                    kv_pages=kv_pages)
+                    kv_pages=kv_pages, kv_pages_extra=kv_pages_extra)
         if self.has_topk and self.pack_group < QK_TILE_M:
             # 64 heads (set_options admits no other group below the tile): one token per 128-row tile,
             # rows 64 .. 127 padding (``padded``; the module doc)
@@ -107,8 +120,11 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
             view = seq_major(entries.compressed)
         elif cutlass.const_expr(self.has_compressed):
             atom, view = self.compressed_tma_atom(load_op, entries.compressed, k_ring, qk_mma, entries.topk)
+        extra = extra_topk = None
+        if cutlass.const_expr(self.kv_pages_extra):  # decode's second cache, read by address like the first
+            extra, extra_topk = seq_major(entries.extra), entries.extra_topk
         return EntryOperands(atom, view, entries.ratio, entries.topk, entries.kv_start, entries.positions,
-                             entries.cu_seqlens_c)
+                             entries.cu_seqlens_c, extra, extra_topk)
 
     def compressed_tma_atom(self, op, mCompressed, k_ring, qk_mma, mTopk):
         """(atom, TMA view) of the compressed entries: K's box into the same ring stages; top-k: a
@@ -142,6 +158,10 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
         topk = count = c_row0 = None
         if cutlass.const_expr(e.mTopk is not None):
             topk = e.mTopk[b, None, None]
+        if cutlass.const_expr(self.kv_pages_extra):  # the second cache's slots follow the first's
+            first = e.mC.shape[0] * self.kv_pages
+            return RequestEntries(e.atom, e.mC, first + e.mExtra.shape[0] * self.kv_pages_extra, 0, topk, None,
+                                  e.ratio, e.kv_start, e.mExtra, e.mExtraTopk[b, None, None], first)
         if cutlass.const_expr(self.kv_pages):  # every slot of every page
             count, c_row0 = e.mC.shape[0] * self.kv_pages, 0
         elif cutlass.const_expr(e.mC is not None):
@@ -163,6 +183,8 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
         if not self.has_compressed:
             return None
         plan = self.plan
+        if self.kv_pages_extra:  # both caches' pages as (pages, bytes)
+            return None, entries.mC[None, None, 0, 0], entries.extra[None, None, 0, 0]
         if self.kv_pages:  # the pages as (pages, bytes): gathered by address
             return None, entries.mC[None, None, 0, 0]
         if self.has_topk:
@@ -185,6 +207,10 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
         # top-k: the tile's one token (a padded tile: owned_rows = pack_group rows from m_block * pack_group)
         step = self.owned_rows
         token = m_block * step // self.pack_group
+        if cutlass.const_expr(self.kv_pages_extra):  # decode: the two caches' lists are every key
+            return TwoListSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, e.count,
+                               e.topk[token, None], e.topk.shape[1], e.extra_topk[token, None],
+                               e.extra_topk.shape[1], e.first)
         if cutlass.const_expr(self.index_mode):  # FlashMLA's sparse attention: the list is every key
             return IndexSpan(m_block, rows, seqlen_k, step, self.plan.tile_n, self.pack_group, e.count,
                              e.topk[token, None], e.topk.shape[1])
@@ -206,7 +232,9 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
 
     @cute.jit
     def load_k_block(self, span, tile, kb, tma_atom_k, tKgK, sources, dst, barrier):
-        if cutlass.const_expr(self.kv_pages):  # index mode: every tile is gathered
+        if cutlass.const_expr(self.kv_pages_extra):  # decode in one launch: rows from either cache
+            self.gather_fp8_block(span, tile, kb, sources[1], dst, barrier, sources[2])
+        elif cutlass.const_expr(self.kv_pages):  # index mode: every tile is gathered
             self.gather_fp8_block(span, tile, kb, sources[1], dst, barrier)
         elif cutlass.const_expr(self.has_topk):
             tma_atom_c, tCgC = sources
@@ -290,8 +318,10 @@ class FlashAttentionESm100(PagedFp8GatherSm100, FlashAttentionD5Sm100):
             n = span.n_tiles - 1 - it
             _, count = keys
             lane = 0 if cutlass.const_expr(self.topk_words_on_host) else cute.arch.lane_idx()
+            # two lists (TwoListSpan): a position is visible where it resolves to an entry
+            visible = span.position_visible if cutlass.const_expr(self.kv_pages_extra) else None
             listed = topk_tile_words(span.idx_row, n * span.tile_n, count, span.k, span.tile_n, lane,
-                                     self.topk_words_on_host)
+                                     self.topk_words_on_host, visible)
             lo, hi = self.tile_columns(span, keys, n)
             window = column_range_words(lo, hi, span.tile_n)
             compressed = n < span.n_cmp

@@ -65,9 +65,11 @@ class PagedFp8GatherSm100:
         return swizzled(rows((row, unit * 8)) * 2, *swizzle)
 
     @cute.jit
-    def gather_fp8_block(self, span, tile, kb: int, mPages: cute.Tensor, dst: cute.Tensor, barrier):
+    def gather_fp8_block(self, span, tile, kb: int, mPages: cute.Tensor, dst: cute.Tensor, barrier, mExtra=None):
         """K block ``kb`` of gathered tile ``tile`` -> the ring stage at ``dst``, dequantized (module
-        doc), then each lane's fence and arrival on the stage's full barrier."""
+        doc), then each lane's fence and arrival on the stage's full barrier. ``mExtra``
+        (``kv_pages_extra``): the second cache, its tokens named by resolved entries >= ``span.first``
+        (common/compressed.TwoListSpan)."""
         lane = cute.arch.lane_idx()
         unit = lane % UNITS
         off, _, scale_tile = unit_bytes(kb, unit)
@@ -79,10 +81,18 @@ class PagedFp8GatherSm100:
             row = lane // UNITS + p * (LANES // UNITS)
             j = span.listed_entry(tile, row)
             d_off, s_off = token_bytes(cutlass.Int64(cutlass.max(j, 0)), self.kv_pages, page_stride)
-            data = base + d_off if j >= 0 else cutlass.Int64(0)  # 0: the loads' "no token"
+            start = base + d_off
+            to_scales = s_off - d_off  # from the token's data to its scale bytes
+            if cutlass.const_expr(mExtra is not None):  # a resolved entry >= first: the second cache's slot
+                d_b, s_b = token_bytes(cutlass.Int64(cutlass.max(j - span.first, 0)), self.kv_pages_extra,
+                                       cutlass.Int64(mExtra.stride[0]))
+                in_b = j >= span.first
+                start = mExtra.iterator.toint() + d_b if in_b else start
+                to_scales = s_b - d_b if in_b else to_scales
+            data = start if j >= 0 else cutlass.Int64(0)  # 0: the loads' "no token"
             scale_word = None
             if cutlass.const_expr(scale_tile is not None):
-                scale_word = load_8_bytes(s_off - d_off, data)[scale_tile // 4]
+                scale_word = load_8_bytes(to_scales, data)[scale_tile // 4]
             words = load_unit(data, off, scale_tile, scale_word)
             store_16_bytes(s_base + self.unit_byte(row, unit, placement), words)
         cute.arch.fence_proxy("async.shared", space="cta")
