@@ -84,16 +84,24 @@ CASES = [(64, 2, 128, 512, 64, False), (128, 2, 128, 1024, 64, False), (64, 2, 1
          (128, 1, 128, 0, 0, False)]
 
 
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-sq{c[1]}-top{c[2]}+{c[3]}p{c[4]}{'-len' * c[5]}")
+def decode_forms():
+    """(arch, case, one_launch) of the decode reference test: the two launches on sm90 (every case),
+    one launch on both archs (the cases with two caches: it reads both)."""
+    out = []
+    for arch in gpu_arch_params():
+        for c in CASES:
+            name = f"h{c[0]}-sq{c[1]}-top{c[2]}+{c[3]}p{c[4]}{'-len' * c[5]}"
+            for one in (False, True):
+                if (one and c[3]) or (not one and arch.values[0] == "sm90"):
+                    out.append(pytest.param(arch.values[0], c, one, marks=arch.marks,
+                                            id=f"{arch.id}-{name}-{'one_launch' if one else 'two_launches'}"))
+    return out
+
+
+@pytest.mark.parametrize("arch,case,one_launch", decode_forms())
 @pytest.mark.parametrize("batch", [3, 9])
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two_launches", "one_launch"])
 def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, one_launch, record_errors):
     heads, s_q, topk, ex_topk, ex_page, ex_len = case
-    if one_launch and not ex_topk:
-        pytest.skip("one_launch reads two caches; this case has the window's only")
-    if arch == "sm100" and not one_launch:
-        pytest.skip("decode's two launches merge through split-KV (sm90's); sm100 decodes in one launch")
     g = fresh_generator()
     length = torch.randint(0, topk + 1, (batch,), generator=g).int()
     length[:2] = torch.tensor([0, topk])  # a request whose window list is cut to nothing, one full

@@ -159,6 +159,22 @@ def fp8_cache(dev, b: int, s_q: int, tokens: int, page: int, topk: int, g):
     return cache, kv_cache.cache_indices(logical, table, page)
 
 
+def fp8_decode_step(dev, config: int, b: int):
+    """FlashMLA's MODEL1 CONFIG ``config`` decode step at batch ``b`` (fixed seed): (q, window cache,
+    its lists, ``e_fused.decode``'s other arguments: the extra cache, its lists and lengths, the
+    sink, FlashMLA's test's scale, the engine's unchecked lists)."""
+    heads, s_q, w_tokens, w_topk, w_page, x_tokens, x_topk, x_page, x_len = FP8_CONFIGS[config]
+    g = torch.Generator().manual_seed(config * 1000 + b)
+    win, win_idx = fp8_cache(dev, b, s_q, w_tokens, w_page, w_topk, g)
+    ext, ext_idx = fp8_cache(dev, b, s_q, x_tokens, x_page, x_topk, g)
+    ext_len = torch.randint(0, x_topk + 1, (b,), generator=g).int().to(dev) if x_len else None
+    q = (torch.randn(b, s_q, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
+    sink = torch.randn(heads, generator=g).to(dev)
+    kw = {"attn_sink": sink, "extra_k_cache": ext, "extra_indices": ext_idx, "extra_topk_length": ext_len,
+          "softmax_scale": 512 ** -0.55, "check_indices": False}
+    return q, win, win_idx, kw
+
+
 def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
     """FlashMLA's MODEL1 CONFIG ``config`` decode step at batch ``b``: our ``e_fused.decode`` and
     FlashMLA's ``flash_mla_with_kvcache`` (the device pack's ``with_kvcache_sparse``) on the same
@@ -168,20 +184,14 @@ def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
     from dsv4_attention.stages import e_fused
 
     heads, s_q, w_tokens, w_topk, w_page, x_tokens, x_topk, x_page, x_len = FP8_CONFIGS[config]
-    g = torch.Generator().manual_seed(config * 1000 + b)
-    win, win_idx = fp8_cache(dev, b, s_q, w_tokens, w_page, w_topk, g)
-    ext, ext_idx = fp8_cache(dev, b, s_q, x_tokens, x_page, x_topk, g)
-    ext_len = torch.randint(0, x_topk + 1, (b,), generator=g).int().to(dev) if x_len else None
-    q = (torch.randn(b, s_q, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
-    sink = torch.randn(heads, generator=g).to(dev)
-    scale = 512 ** -0.55  # FlashMLA's test's scale
+    q, win, win_idx, kw = fp8_decode_step(dev, config, b)
+    sink, ext, ext_idx, ext_len, scale = (kw[k] for k in ("attn_sink", "extra_k_cache", "extra_indices",
+                                                          "extra_topk_length", "softmax_scale"))
     attended = b * s_q * w_topk + (int(ext_len.sum()) * s_q if x_len else b * s_q * x_topk)
     flop = 2 * heads * attended * (512 + 512)
     distinct = sum(int(i[i >= 0].unique().numel()) for i in (win_idx, ext_idx))
     moved = distinct * 584 + 2 * b * s_q * heads * 512 * 2
-    ours = lambda: e_fused.decode(q, win, win_idx, attn_sink=sink, extra_k_cache=ext,  # noqa: E731
-                                  extra_indices=ext_idx, extra_topk_length=ext_len, softmax_scale=scale,
-                                  check_indices=False)
+    ours = lambda: e_fused.decode(q, win, win_idx, **kw)  # noqa: E731
     o, _ = ours()
     ms = graph_ms([ours])
     case = (f"fp8 decode flashmla MODEL1 CONFIG{config} b{b} h{heads} sq{s_q} top-{w_topk} (pages of {w_page}) + "

@@ -60,17 +60,10 @@ def fp8_sweep(dev, batches, splits):
 
 def fp8_case(dev, config: int, b: int, splits) -> list:
     from dsv4_attention.stages import e_fused
-    from tools.bench_decode import FP8_CONFIGS, fp8_cache
+    from tools.bench_decode import fp8_decode_step
 
-    heads, s_q, w_tokens, w_topk, w_page, x_tokens, x_topk, x_page, x_len = FP8_CONFIGS[config]
-    g = torch.Generator().manual_seed(config * 1000 + b)
-    win, win_idx = fp8_cache(dev, b, s_q, w_tokens, w_page, w_topk, g)
-    ext, ext_idx = fp8_cache(dev, b, s_q, x_tokens, x_page, x_topk, g)
-    ext_len = torch.randint(0, x_topk + 1, (b,), generator=g).int().to(dev) if x_len else None
-    q = (torch.randn(b, s_q, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
-    sink = torch.randn(heads, generator=g).to(dev)
-    kw = dict(attn_sink=sink, extra_k_cache=ext, extra_indices=ext_idx, extra_topk_length=ext_len,
-              softmax_scale=512 ** -0.55, check_indices=False)
+    q, win, win_idx, kw = fp8_decode_step(dev, config, b)
+    sink, ext, ext_idx, ext_len = (kw[k] for k in ("attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"))
     ref = e_fused.decode(q, win, win_idx, **kw)[0].float()
     out = []
     for s in splits:
