@@ -111,6 +111,9 @@ class _Anything:
     def __getitem__(self, idx):
         return _Anything((self.tag, idx[-1] if isinstance(idx, tuple) else idx))
 
+    def __setitem__(self, idx, value):  # a register tensor written (the FP8 gather's entries)
+        pass
+
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
@@ -118,6 +121,16 @@ class _Anything:
 
     def __call__(self, *args, **kwargs):
         return _Anything()
+
+
+def plain_load_pairs(kernel_cls, monkeypatch):
+    """``kernel_cls.load_pairs`` as plain Python; where it is a subclass's that hands over to its
+    base's (stage E's, ``super()``), the base's is made plain Python too (for this test)."""
+    for c in kernel_cls.__mro__[1:]:
+        if "load_pairs" in vars(c):
+            monkeypatch.setattr(c, "load_pairs", plain(vars(c)["load_pairs"]))
+            break
+    return plain(kernel_cls.load_pairs)
 
 
 def trace(kernel, n_blocks, monkeypatch) -> dict:
@@ -165,6 +178,7 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
         monkeypatch.setattr(mod, "cute", _Anything(), raising=False)  # register tensors (make_rmem_tensor)
         monkeypatch.setattr(mod, "gemm", gemm, raising=False)
     monkeypatch.setattr(cutlass, "range", lambda n, unroll=1: range(n))
+    monkeypatch.setattr(cutlass, "range_constexpr", range)
     for mod in modules:
         if hasattr(mod, "load_q"):
             monkeypatch.setattr(mod, "load_q", lambda *a: None)
@@ -184,11 +198,20 @@ def trace(kernel, n_blocks, monkeypatch) -> dict:
     monkeypatch.setattr(k, "release_q", lambda q_empty: record("q_release", current["it"]), raising=False)
     rec = {role: _Recorder(k, ops[role], 0) for role in ops}
 
-    # the producer (the kernel's load_pairs, its load_kv recording the half-loads), tile after tile
+    # the producer (the kernel's load_pairs, its load_kv recording the half-loads), tile after tile;
+    # the FP8 gather's pipelined loads (kv_pages) record their two steps
     monkeypatch.setattr(k, "load_kv", lambda ring, t, n, *srcs, half=None: ring.load(t, half), raising=False)
+    load_pairs = plain_load_pairs(kernel_cls, monkeypatch)
+    if getattr(k, "kv_pages", 0):
+        monkeypatch.setattr(k, "load_pairs_fp8", lambda *a: plain(type(k).load_pairs_fp8)(k, *a), raising=False)
+        monkeypatch.setattr(k, "pair_entries", lambda *a: None, raising=False)
+        monkeypatch.setattr(k, "issue_fp8_half", lambda ring, t, n, span, e, i, src, half, sc: ring.ops.append(
+            ("issue", t, half)), raising=False)
+        monkeypatch.setattr(k, "convert_fp8_half", lambda ring, t, src, half, sc, newer: ring.ops.append(
+            ("land", t, half)), raising=False)
     t0 = 0
     for it, n in enumerate(tiles):
-        plain(type(k).load_pairs)(k, rec["producer"], n, (_Span(n),), (), 0, t0, it, None)
+        load_pairs(k, rec["producer"], n, (_Span(n),), (), 0, t0, it, None)
         t0 += n
 
     # the consumers: stage D1's consume_seesaw around seesaw_lead / seesaw_follow, tile after tile:
@@ -268,7 +291,7 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
             nxt[i] += 1
             nxt = tuple(nxt)
             kind = op[0]
-            if kind == "load":
+            if kind in ("load", "issue"):  # "issue": the FP8 gather's step one, landing at its "land"
                 t, h = op[1], op[2]
                 s, use = t % slots, t // slots
                 phases = get(empty, (s, h)) // need[s % 2][h]
@@ -279,7 +302,12 @@ def check(kernel, ops: dict, stats: dict | None = None) -> str | None:
                         for reads, _, _ in groups[wg]:
                             if any(r[0] % slots == s and r[0] < t and r[1] == h for r in reads):
                                 return f"load of tile {t} half {h} while warpgroup {wg} still reads it"
-                    succ.append((nxt, landed, empty, flying | {(t, h)}, groups, hand, bufs, qs))
+                    succ.append((nxt, landed, empty, flying | {(t, h)} if kind == "load" else flying, groups, hand,
+                                 bufs, qs))
+            elif kind == "land":  # the FP8 gather's step two: its stores and full arrivals, in program order
+                s = op[1] % slots
+                succ.append((nxt, put(landed, (s, op[2]), get(landed, (s, op[2])) + 1), empty, flying, groups, hand,
+                             bufs, qs))
             elif kind in ("qk", "wait_full"):
                 t, halves = op[1], op[2]
                 s, use = t % slots, t // slots
@@ -376,8 +404,10 @@ def check_every_interleaving(kernel, n_blocks, monkeypatch) -> None:
     """``n_blocks``: one tile's KV tile count, or a persistent CTA's tiles' counts."""
     tiles = [n_blocks] if isinstance(n_blocks, int) else list(n_blocks)
     ops = trace(kernel, tiles, monkeypatch)
-    loads = sorted(op[1:] for op in ops["producer"] if op[0] == "load")
+    loads = sorted(op[1:] for op in ops["producer"] if op[0] in ("load", "issue"))
     assert loads == [(t, h) for t in range(sum(tiles)) for h in (0, 1)]
+    lands = [op[1:] for op in ops["producer"] if op[0] == "land"]  # the FP8 gather: each issue lands once
+    assert sorted(lands) == (loads if lands else [])
     assert [op for op in ops["producer"] if op[0] == "q"] == [("q", it) for it in range(len(tiles))]
     for wg in (0, 1):  # each warpgroup frees sQ once a tile
         assert [op for op in ops[wg] if op[0] == "q_release"] == [("q_release", it) for it in range(len(tiles))]

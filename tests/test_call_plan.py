@@ -352,16 +352,17 @@ def decode_case():
 
 
 def test_a_decode_step_is_planned_once_its_lists_are_the_engines(kernel, monkeypatch):
-    """``decode`` with check_indices=False (an engine's own lists): its second step of the same
-    shapes skips the checks (``resolve_masks`` is not reached) and hands the kernel the same
-    arguments as the full path, the partial buffers being that step's own (each list's splits its
-    slice of one buffer); with the lists checked, every step is validated."""
+    """``decode`` in two launches (one_launch=False) with check_indices=False (an engine's own
+    lists): its second step of the same shapes skips the checks (``resolve_masks`` is not reached)
+    and hands the kernel the same arguments as the full path, the partial buffers being that
+    step's own (each list's splits its slice of one buffer); with the lists checked, every step is
+    validated."""
     q, win, idx, ext, ext_idx = decode_case()
     resolved = []
     real = interface.resolve_masks
     monkeypatch.setattr(interface, "resolve_masks", lambda *a, **k: resolved.append(1) or real(*a, **k))
     kw = {"extra_k_cache": ext, "extra_indices": ext_idx, "attn_sink": torch.randn(64), "num_splits": 2,
-          "check_indices": False}
+          "check_indices": False, "one_launch": False}
     e_fused.decode(q, win, idx, **kw)
     assert len(resolved) == 2 and call_plan.size() == 2  # one plan a list
     first = kernel[-2:]

@@ -597,8 +597,9 @@ def test_index_mode_reads_fp8_pages_in_place(launch, page):
 def test_sm100_reads_fp8_pages_and_decodes_in_one_launch(launch):
     """sm100's index mode takes the pages as sm90's does (its own gather, sm100_pages.py). decode's
     two launches merge through split-KV's partial buffers, which only sm90 writes: on sm100 they
-    are refused before launch, naming the way around; ``one_launch=True`` runs there, one unsplit
-    kernel over both caches (the sink in the kernel, both pages and lists on the entries seam)."""
+    are refused before launch, naming the way around; one launch (the default with two FP8
+    caches) runs there, one unsplit kernel over both caches (the sink in the kernel, both pages and
+    lists on the entries seam)."""
     q = torch.randn(4, 128, 512).bfloat16()
     args, options = launch("sm100", stage.index_attention, q, fp8_pages(), torch.zeros(4, 1, 8, dtype=torch.int32))
     assert options["kv_pages"] == 64 and args["entries"].compressed.dtype == torch.uint8
@@ -608,8 +609,10 @@ def test_sm100_reads_fp8_pages_and_decodes_in_one_launch(launch):
     idx, ext_idx = torch.randint(-1, 192, (2, 2, 64), dtype=torch.int32), torch.randint(-1, 80, (2, 2, 128),
                                                                                       dtype=torch.int32)
     sink = torch.zeros(128)
+    with pytest.raises(ValueError, match="one_launch=True"):
+        stage.decode(q.view(2, 2, 128, 512), win, idx, extra_k_cache=ext, extra_indices=ext_idx, one_launch=False)
     args, options = launch("sm100", stage.decode, q.view(2, 2, 128, 512), win, idx, extra_k_cache=ext,
-                           extra_indices=ext_idx, attn_sink=sink, one_launch=True)
+                           extra_indices=ext_idx, attn_sink=sink)
     assert options["kv_pages"] == 64 and options["kv_pages_extra"] == 2 and options["has_sink"]
     assert "split_kv" not in options and args["sink"] is sink
     assert args["entries"].extra.data_ptr() == ext.data_ptr()
@@ -635,14 +638,15 @@ def test_fp8_pages_checks(args, match):
 
 
 def test_decode_writes_both_lists_into_one_merge(launch):
-    """decode's first launch: the window list of FP8 pages into the first splits of one fp32
-    partial buffer the extra list shares (an exact merge of both, the sink in the merge only)."""
+    """decode in two launches (one_launch=False), its first: the window list of FP8 pages into
+    the first splits of one fp32 partial buffer the extra list shares (an exact merge of both, the
+    sink in the merge only)."""
     win, ext = fp8_pages(b=64), fp8_pages(nb=40, b=2, seed=6)
     q = torch.randn(2, 2, 64, 512).bfloat16()
     idx = torch.randint(-1, 192, (2, 2, 64), dtype=torch.int32)
     ext_idx = torch.randint(-1, 80, (2, 2, 128), dtype=torch.int32)
     args, options = launch("sm90", stage.decode, q, win, idx, extra_k_cache=ext, extra_indices=ext_idx,
-                           attn_sink=torch.zeros(64), num_splits=3)
+                           attn_sink=torch.zeros(64), num_splits=3, one_launch=False)
     parts = args["partials"]
     assert parts.num_splits == 3 and parts.o.shape == (3, 4, 64, 512) and parts.lse.shape == (3, 64, 4)
     whole = parts.o.untyped_storage().nbytes() // 4

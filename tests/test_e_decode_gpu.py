@@ -99,7 +99,7 @@ def decode_forms():
 
 
 @pytest.mark.parametrize("arch,case,one_launch", decode_forms())
-@pytest.mark.parametrize("batch", [3, 9])
+@pytest.mark.parametrize("batch", [3, 9, 70])  # 70: more Q tiles than SMs, a CTA runs several
 def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, one_launch, record_errors):
     heads, s_q, topk, ex_topk, ex_page, ex_len = case
     g = fresh_generator()
@@ -139,11 +139,12 @@ def test_decode_from_fp8_pages_is_the_reference(arch, case, batch, one_launch, r
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("page", [256, 2])
-def test_index_attention_reads_fp8_pages(arch, heads, page, record_errors):
+@pytest.mark.parametrize("topk", [200, 300])  # 4 and 5 key tiles: the gather's pairs, and a lone last tile
+def test_index_attention_reads_fp8_pages(arch, heads, page, topk, record_errors):
     """Prefill from the cache: index mode (one list, per-token lengths, the sink) with the FP8 pages
     as kv, no bf16 copy, against the float64 reference on the dequantized cache; poisoned output."""
     g = fresh_generator()
-    batch, s_q, topk = 5, 3, 200
+    batch, s_q = 5, 3
     cache, rows, idx = paged_cache(batch, s_q, 900, page, topk, g)
     q = torch.randn(batch * s_q, heads, 512, generator=g).to(torch.bfloat16).cuda()
     length = torch.randint(0, topk + 1, (batch * s_q,), generator=g).int().cuda()
@@ -153,7 +154,7 @@ def test_index_attention_reads_fp8_pages(arch, heads, page, record_errors):
     o_ref, lse_ref = dsv4_index_attention(q, torch.nan_to_num(rows.float(), nan=0.0), idx.view(batch * s_q, topk),
                                           length, sink)
     check_index_result(o, lse, o_ref, lse_ref, record_errors, arch=arch, case="index mode over fp8 pages",
-                       heads=heads, page=page)
+                       heads=heads, page=page, topk=topk)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
@@ -199,13 +200,15 @@ def test_dequantization_is_exact_at_the_ends_of_the_scale_range(arch, page):
 def test_decode_reads_bf16_pages_as_it_reads_their_fp8_form(arch):
     """bf16 pages (an engine that keeps bf16 caches) holding exactly the FP8 cache's dequantized
     values: the gathered tiles are the same bits, so the outputs are too (the FP8 gather's
-    dequantization is exact)."""
+    dequantization is exact). Both in two launches: bf16 pages have no one-launch form, and FP8
+    caches take it by default (a different order of the same sums)."""
     g = fresh_generator()
     win, _, win_idx = paged_cache(3, 2, 700, 256, 128, g)
     ext, _, ext_idx = paged_cache(3, 2, 900, 64, 512, g)
     q = torch.randn(3, 2, 64, 512, generator=g).to(torch.bfloat16).cuda()
     sink = torch.randn(64, generator=g).cuda()
-    o8, lse8 = stage.decode(q, win, win_idx, attn_sink=sink, extra_k_cache=ext, extra_indices=ext_idx, num_splits=2)
+    o8, lse8 = stage.decode(q, win, win_idx, attn_sink=sink, extra_k_cache=ext, extra_indices=ext_idx, num_splits=2,
+                            one_launch=False)
     o16, lse16 = stage.decode(q, kc.dequantize_kv_cache(win), win_idx, attn_sink=sink,
                               extra_k_cache=kc.dequantize_kv_cache(ext), extra_indices=ext_idx, num_splits=2)
     assert torch.equal(o8, o16) and torch.equal(lse8, lse16)

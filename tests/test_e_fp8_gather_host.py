@@ -1,11 +1,14 @@
 """Stage E's sm90 FP8 page gather (stages/e_fused/sm90_pages.py), on the host: its thread maps.
 
-Each producer thread copies 16-byte pieces of e4m3 (two bf16 units) into its own staging bytes,
-then dequantizes them into the slot. Proven here with the kernel's own functions (``piece_row``,
-``piece_units``, ``staging_offset``, ``kv_cache.unit_bytes``): every (row, unit) of a chunk is
-read and written by exactly one thread once, a piece's 16 bytes are its two units' 8 + 8 in
-order, and no two (thread, chunk, pass) share a staging byte. Negative controls: the bf16
-gather's 8-threads-a-row map and a staging offset without the thread are rejected.
+Each producer thread copies 16-byte pieces of e4m3 (two bf16 units) raw into its own bytes of the
+slot half's upper two chunk regions, then dequantizes them into the slot. Proven here with the
+kernel's own functions (``piece_row``, ``piece_units``, ``half_chunks``, ``raw_area``,
+``raw_offset``, ``kv_cache.unit_bytes``, ``gather_offset``): every (row, unit) of a chunk is read
+and written by exactly one thread once, a piece's 16 bytes are its two units' 8 + 8 in order, no
+two (thread, chunk, pass) share a raw byte, the raw bytes lie inside the upper chunks' regions of
+their slot half, and no write made before the producer's barrier (the lower chunks' bf16, RoPE's
+copies) lands on them. Negative controls: the bf16 gather's 8-threads-a-row map, a raw offset
+without the thread, and a raw area over the lower chunks are rejected.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from cutlass import Int32
 from dsv4_attention.common import jit
 from dsv4_attention.common import kv_cache as kc
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP
+from dsv4_attention.common.sm90_kv_chunks import gather_offset
 from dsv4_attention.stages.e_fused import sm90_pages as pg
 
 TILE_N = 64
@@ -70,10 +74,14 @@ def test_a_piece_is_its_two_units_in_order(chunk):
     assert THREADS_PER_WARPGROUP % pg.PIECES == 0 and kc.TOKEN_DATA_BYTES % pg.PIECE == 0
 
 
-def staging_ranges(offset):
+HEAD_DIM = 512
+HALVES = (range(0, 4), range(4, 8))  # the seesaw ring's halves at head dim 512 (``chunk_range``)
+
+
+def raw_ranges(offset, nope: int):
     spans = []
     for tidx in range(THREADS_PER_WARPGROUP):
-        for ci in range(pg.STAGED):
+        for ci in range(nope):
             for p in range(PASSES):
                 o = offset(ci, p, tidx, PASSES)
                 spans.append((o, o + pg.PIECE))
@@ -87,21 +95,67 @@ def private_and_inside(spans, total) -> bool:
 
 
 @pytest.mark.proof
-def test_staging_is_thread_private_and_fits():
-    total = pg.staging_bytes(TILE_N)
-    assert private_and_inside(staging_ranges(pg.staging_offset), total)
-    assert total == pg.STAGED * TILE_N * kc.TILE  # every staged byte of a half has its place
+@pytest.mark.parametrize("half", [0, 1])
+def test_raw_pieces_are_thread_private_and_fit_the_upper_regions(half):
+    lower, upper, rope = pg.half_chunks(HALVES[half])
+    assert (lower, upper, rope) == (([0, 1], [2, 3], []) if half == 0 else ([4], [5, 6], [7]))
+    area = len(upper) * TILE_N * kc.TILE * 2  # the upper chunks' bf16 bytes
+    assert private_and_inside(raw_ranges(pg.raw_offset, len(lower + upper)), area)
     # a warp's 32 pieces of one (chunk, pass) are one contiguous 512 bytes: ld.shared.v4 without
     # bank conflicts
-    for ci in range(pg.STAGED):
+    for ci in range(len(lower + upper)):
         for p in range(PASSES):
-            offs = sorted(pg.staging_offset(ci, p, t, PASSES) for t in range(32))
+            offs = sorted(pg.raw_offset(ci, p, t, PASSES) for t in range(32))
             assert offs == list(range(offs[0], offs[0] + 512, 16))
 
 
 @pytest.mark.proof
-def test_staging_checker_rejects_a_shared_place():
-    assert not private_and_inside(staging_ranges(lambda ci, p, t, n: (ci * n + p) * 16), pg.staging_bytes(TILE_N))
+def test_raw_checker_rejects_a_shared_place():
+    assert not private_and_inside(raw_ranges(lambda ci, p, t, n: (ci * n + p) * 16, 4), 2 * TILE_N * kc.TILE * 2)
+
+
+def early_writes(chunks: list, slot: int):
+    """Ring byte ranges the gather writes in ``chunks`` of ``slot``: each (row, unit) 16 bytes at
+    ``gather_offset`` (the lower chunks' st.shared and RoPE's cp.async, both before the barrier)."""
+    out = set()
+    for c in chunks:
+        for tidx in range(THREADS_PER_WARPGROUP):
+            for p in range(PASSES):
+                for u in pg.piece_units(tidx):
+                    o = gather_offset(pg.piece_row(tidx, p), u, c, slot, TILE_N, HEAD_DIM) * 2
+                    out.add((o, o + 16))
+    return out
+
+
+def raw_is_clear_of(area_start: int, nope: int, writes) -> bool:
+    """Every raw byte of the half (at ``area_start`` + ``raw_offset``) apart from ``writes``, and
+    inside the ring's slot."""
+    raw = [(area_start + a, area_start + b) for a, b in raw_ranges(pg.raw_offset, nope)]
+    return all(b <= w0 or w1 <= a for a, b in raw for w0, w1 in writes)
+
+
+@pytest.mark.proof
+@pytest.mark.parametrize("slot", [0, 1])
+@pytest.mark.parametrize("half", [0, 1])
+def test_raw_bytes_are_clear_of_the_writes_before_the_barrier(slot, half):
+    """The raw area (the upper chunks' regions of this slot half) starts where chunk upper[0]'s
+    region starts and ends where upper[-1]'s ends; the lower chunks' bf16 and RoPE's copies,
+    written while other threads may still read raw bytes, never land on one; the upper chunks'
+    own writes (after the barrier) do."""
+    lower, upper, rope = pg.half_chunks(HALVES[half])
+    start = pg.raw_area(slot, upper, TILE_N, HEAD_DIM)
+    assert start == gather_offset(0, 0, upper[0], slot, TILE_N, HEAD_DIM) * 2
+    assert start % 1024 == 0 and start + len(upper) * TILE_N * kc.TILE * 2 == \
+        gather_offset(0, 0, upper[-1] + 1, slot, TILE_N, HEAD_DIM) * 2
+    assert raw_is_clear_of(start, len(lower + upper), early_writes(lower + rope, slot))
+    assert not raw_is_clear_of(start, len(lower + upper), early_writes(upper, slot))
+
+
+@pytest.mark.proof
+def test_raw_checker_rejects_an_area_over_the_lower_chunks():
+    lower, upper, _ = pg.half_chunks(HALVES[0])
+    wrong = gather_offset(0, 0, lower[0], 0, TILE_N, HEAD_DIM) * 2
+    assert not raw_is_clear_of(wrong, len(lower + upper), early_writes(lower, 0))
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,3 +285,18 @@ def test_sm100_mask_words_of_two_lists():
         assert bits == [int(x >= 0) for x in want]
         # negative control: the single-list test of the same positions reads list A past its end
         assert bits != [int(0 <= p < k_a and 0 <= int(a[p]) < first + rest) for p in range(n_tiles * 128)]
+
+
+@pytest.mark.proof
+def test_the_halves_are_the_kernels():
+    """``HALVES`` above is the FP8 decode kernel's own split of a slot (``KvChunkRing.chunk_range``:
+    chunks [0, o_col1 / 64) and the rest)."""
+    from dsv4_attention import stages
+    from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS
+
+    kernel = stages.get("e").module.make_kernel(
+        "sm90", torch.bfloat16, HEAD_DIM, kv_shared=True, pack_group=128, has_sink=True, has_compressed=True,
+        has_topk=True, index_mode=True, kv_pages=256, kv_pages_extra=64)
+    r_chunk = kernel.o_col1 // CHUNK_COLS
+    assert kernel.seesaw and kernel.tile_n == TILE_N
+    assert (range(0, r_chunk), range(r_chunk, HEAD_DIM // CHUNK_COLS)) == HALVES

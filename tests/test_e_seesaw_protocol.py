@@ -6,7 +6,7 @@ over without a race (tests/seesaw_protocol.py says how)."""
 import cutlass
 import pytest
 from plain_jit import plain
-from seesaw_protocol import _Span, make_seesaw, protocol_tests
+from seesaw_protocol import _Span, make_seesaw, plain_load_pairs, protocol_tests
 
 from dsv4_attention.stages.e_fused.sm90 import EntrySources, FlashAttentionESm90
 
@@ -62,11 +62,12 @@ def producer_waits(kernel, tiles, warp, monkeypatch, load_kv=None) -> list:
     load_kv = plain(type(k).load_kv) if load_kv is None else load_kv  # the kernel's own, as plain Python
     monkeypatch.setattr(k, "load_kv", lambda *a, **kw: load_kv(k, *a, **kw), raising=False)
     ring = _WaitRecorder(k.slots)
+    load_pairs = plain_load_pairs(type(k), monkeypatch)
     t0 = 0
     for it, (window, gathered) in enumerate(tiles):
         n = window + gathered
         srcs = (_FusedSpan(gathered, n), None, None, None, EntrySources(None, None, None, None, warp))
-        plain(type(k).load_pairs)(k, ring, n, srcs, None, warp, t0, it, None)
+        load_pairs(k, ring, n, srcs, None, warp, t0, it, None)
         t0 += n
     return ring.waits
 
@@ -113,3 +114,37 @@ def test_lapping_check_rejects_warps_that_skip_the_window(monkeypatch):
     waits = producer_waits(k, CSA_TILES[0], 1, monkeypatch, load_kv=skipping_load_kv)
     assert "without having waited" in parity_lapping(waits, k.slots)
     assert parity_lapping(producer_waits(k, CSA_TILES[0], 0, monkeypatch, load_kv=skipping_load_kv), k.slots) is None
+
+
+# ---- the FP8 page gather's pipelined loads (stages/e_fused/sm90_pages.py, kv_pages) ------------
+# Each half-load is two steps, issue (its slot wait) and land (its stores and full arrivals), the
+# next half-load's issue before this one's land: the producer waits for a slot while a tile it
+# has not yet handed over is still with it. The same search proves that this lookahead of one
+# half-load never deadlocks (a Q tile of 1-7 KV tiles, persistent CTAs); its negative control
+# holds a land back one more issue, past the wait for a slot that only its own data frees.
+
+FP8 = {"kv_shared": True, "pack_group": 128, "has_sink": True, "has_compressed": True, "has_topk": True,
+       "index_mode": True, "kv_pages": 256, "kv_pages_extra": 64}
+
+test_fp8_gather_every_interleaving_finishes, test_fp8_gather_checker_rejects_an_early_release_and_a_missing_one = (
+    protocol_tests(FlashAttentionESm90, **FP8))
+
+
+def test_fp8_gather_lands_one_issue_behind_and_no_further(monkeypatch):
+    from seesaw_protocol import check, trace
+
+    k = make_seesaw(FlashAttentionESm90, **FP8)
+    ops = trace(k, 4, monkeypatch)
+    prod = [op for op in ops["producer"] if op[0] != "q"]
+    # a0 b1 a1 b0 | a0' ..: each land right after the next half-load's issue
+    assert prod[:6] == [("issue", 0, 0), ("issue", 1, 1), ("land", 0, 0), ("issue", 0, 1), ("land", 1, 1),
+                        ("issue", 1, 0)]
+    assert prod[-1] == ("land", 3, 0)
+    assert check(k, ops) is None
+    # negative control: tile 0's first half lands only after the next pair's a0 is issued (whose
+    # slot half the leader frees after its PV over tile 0, which needs tile 0 landed)
+    p = ops["producer"]
+    land = p.index(("land", 0, 0))
+    nxt = p.index(("issue", 2, 0))
+    late = p[:land] + p[land + 1:nxt + 1] + [p[land]] + p[nxt + 1:]
+    assert "deadlock" in check(k, {**ops, "producer": late})

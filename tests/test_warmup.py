@@ -86,15 +86,19 @@ def test_the_presets_cover_deepseek_v4_on_both_archs():
 
 
 def test_the_serving_preset_covers_flashmla_decode_and_prefill_from_the_pages():
-    """Serving: on sm90 decode's split kernels for pages of 256, 64 and 2 and index mode over pages
-    of 64, at 64 and 128 heads; on sm100 index mode over the pages, decode's two launches refused by
-    name (their merge needs sm90's split partials; the message names one_launch)."""
+    """Serving: decode in one launch over a window cache in pages of 256 and an extra cache in
+    pages of 64 or 2, at 64 and 128 heads, and index mode over pages of 64 (prefill): on sm90 the
+    decode kernels split (a step of few requests) and unsplit (a full batch); on sm100 unsplit,
+    its only form, nothing refused."""
     configs = warmup.configurations(warmup.serving_calls(), "sm90")
     options = [dict(k[4]) for k, *_ in configs]
-    assert len(configs) == 8 and all(o["index_mode"] for o in options)
-    assert {(o["pack_group"], o["kv_pages"]) for o in options if o.get("split_kv")} == \
-        {(g, n) for g in (64, 128) for n in (256, 64, 2)}
+    assert len(configs) == 10 and all(o["index_mode"] for o in options)
+    assert {(o["pack_group"], o["kv_pages_extra"], bool(o.get("split_kv"))) for o in options if "kv_pages_extra" in o} \
+        == {(g, n, s) for g in (64, 128) for n in (64, 2) for s in (False, True)}
+    assert {o["pack_group"] for o in options if o["kv_pages"] == 64 and "kv_pages_extra" not in o} == {64, 128}
     refused: list = []
     configs = warmup.configurations(warmup.serving_calls(), "sm100", refused)
-    assert len(configs) == 2 and {dict(k[4])["kv_pages"] for k, *_ in configs} == {64}
-    assert len(refused) == 4 and all("one_launch=True" in why for _, why in refused)
+    options = [dict(k[4]) for k, *_ in configs]
+    assert len(configs) == 6 and not refused and not any(o.get("split_kv") for o in options)
+    assert {(o["pack_group"], o.get("kv_pages_extra")) for o in options} == {(g, n) for g in (64, 128)
+                                                                                for n in (64, 2, None)}

@@ -2,8 +2,9 @@
 behind ``common/split_kv.choose_splits``): DeepSeek-V4's layers (window + HCA entries or CSA
 top-512) and dense MQA decode (128 heads on one K = V head, every key visible), one token per
 request; and FP8 decode from paged caches (``--fp8``: FlashMLA's MODEL1 CONFIG1-4 through
-``e_fused.decode``, each list cut into S, beside FlashMLA's time on the same caches).
-``python -m tools.split_sweep [--modes hca csa dense] [--splits 1 2 4] [--sk 65536] [--fp8]``."""
+``e_fused.decode``, each list cut into S, or with ``--forms one`` both lists in one launch cut
+into S, beside FlashMLA's time on the same caches).
+``python -m tools.split_sweep [--modes hca csa dense] [--splits 1 2 4] [--sk 65536] [--fp8 [--forms two one]]``."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--sk", type=int, nargs="+", default=[65536])
     ap.add_argument("--fp8", action="store_true", help="FP8 decode (FlashMLA's CONFIG1-4) instead of --modes")
+    ap.add_argument("--forms", nargs="+", choices=["two", "one"], default=["two"],
+                    help="FP8 decode's forms: two launches + merge, or one launch (one_launch=True)")
     a = ap.parse_args()
     from dsv4_attention.stages import e_fused
 
     dev = torch.device("cuda")
     if a.fp8:
-        fp8_sweep(dev, a.batch, a.splits)
+        fp8_sweep(dev, a.batch, a.splits, a.forms)
         return
     for mode in a.modes:
         for sk in a.sk:
@@ -47,18 +50,21 @@ def main():
 
 
 
-def fp8_sweep(dev, batches, splits):
+def fp8_sweep(dev, batches, splits, forms=("two",)):
     """``e_fused.decode`` over FlashMLA's MODEL1 CONFIG1-4 caches with S splits a list (S 0: the
-    automatic choice), graph-replayed, and FlashMLA's decode on the same caches."""
+    automatic choice) in each of ``forms`` ("two": two launches and a merge; "one":
+    ``one_launch=True``), graph-replayed, and FlashMLA's decode on the same caches."""
     from tools.bench_decode import FP8_CONFIGS
 
     for config in FP8_CONFIGS:
         for b in batches:
-            print(f"fp8 CONFIG{config} b{b}: " + ", ".join(fp8_case(dev, config, b, splits)), flush=True)
+            print(f"fp8 CONFIG{config} b{b}: " + ", ".join(fp8_case(dev, config, b, splits, forms)), flush=True)
             torch.cuda.empty_cache()
 
 
-def fp8_case(dev, config: int, b: int, splits) -> list:
+def fp8_case(dev, config: int, b: int, splits, forms=("two",)) -> list:
+    """One CONFIG / batch: "S=<n>[ one]: <us> (<max |O - O(two launches, auto)|>)" per form and
+    split count, then FlashMLA's time."""
     from dsv4_attention.stages import e_fused
     from tools.bench_decode import fp8_decode_step
 
@@ -66,11 +72,14 @@ def fp8_case(dev, config: int, b: int, splits) -> list:
     sink, ext, ext_idx, ext_len = (kw[k] for k in ("attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"))
     ref = e_fused.decode(q, win, win_idx, **kw)[0].float()
     out = []
-    for s in splits:
-        n = None if s == 0 else s
-        o = e_fused.decode(q, win, win_idx, num_splits=n, **kw)[0].float()
-        ms = graph_ms([lambda n=n: e_fused.decode(q, win, win_idx, num_splits=n, **kw)])
-        out.append(f"S={s or 'auto'}: {ms * 1e3:.1f} us ({(o - ref).abs().max().item():.2g})")
+    for form in forms:
+        one = form == "one"
+        for s in splits:
+            n = None if s == 0 else s
+            o = e_fused.decode(q, win, win_idx, num_splits=n, one_launch=one, **kw)[0].float()
+            ms = graph_ms([lambda n=n, one=one: e_fused.decode(q, win, win_idx, num_splits=n, one_launch=one, **kw)])
+            diff = (o - ref).abs().max().item()
+            out.append(f"S={s or 'auto'}{' one' if one else ''}: {ms * 1e3:.1f} us ({diff:.2g})")
     try:
         import flashmla_peer as fm  # pyright: ignore[reportMissingImports] (GPU peer)
 

@@ -37,6 +37,9 @@ class Sm90FwdBarrier(enum.IntEnum):
     # one-lane TMA store), and the previous chunk's store has read it (common/sm90_epilogue.py)
     EPILOGUE_WG0 = 10
     EPILOGUE_WG1 = 11
+    # stage E's FP8 page gather (the producer warpgroup, 128 threads): every raw piece of a slot
+    # half has been read before its upper chunks' bf16 overwrite them (stages/e_fused/sm90_pages.py)
+    FP8_GATHER = 12
 
 
 @dsl_user_op

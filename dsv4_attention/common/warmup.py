@@ -83,8 +83,9 @@ def dense_calls():
 
 def serving_calls(heads=(64, 128)):
     """Serving from paged MODEL1 FP8 caches (common/kv_cache.py): FlashMLA's decode cases (a window
-    list in pages of 256 with an extra list in pages of 64, or of 2) and index mode over the pages
-    (prefill from the cache)."""
+    list in pages of 256 with an extra list in pages of 64, or of 2: one launch over both, split
+    for a small batch and unsplit for a full one) and index mode over the pages (prefill from the
+    cache)."""
     from dsv4_attention.common import kv_cache
     from dsv4_attention.stages import e_fused
 
@@ -95,9 +96,11 @@ def serving_calls(heads=(64, 128)):
     for h in heads:
         q, sink = _bshd(1, 2, h, 512, bf), torch.zeros(h)
         for extra in (64, 2):
-            calls.append((f"decode h{h} pages 256 + {extra}", lambda q=q, sink=sink, extra=extra: e_fused.decode(
-                q, pages[256], lists[256], attn_sink=sink, extra_k_cache=pages[extra], extra_indices=lists[extra],
-                check_indices=False)))
+            for splits in (None, 1):  # a step of one request splits (sm90); num_splits=1: a full batch
+                calls.append((f"decode h{h} pages 256 + {extra}{' unsplit' if splits else ''}",
+                              lambda q=q, sink=sink, extra=extra, splits=splits: e_fused.decode(
+                                  q, pages[256], lists[256], attn_sink=sink, extra_k_cache=pages[extra],
+                                  extra_indices=lists[extra], check_indices=False, num_splits=splits)))
         calls.append((f"index mode over FP8 pages h{h}", lambda q=q, sink=sink: e_fused.index_attention(
             q[0], pages[64], lists[64][0, :, None], attn_sink=sink, check_indices=False)))
     return calls

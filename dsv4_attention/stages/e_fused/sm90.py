@@ -50,7 +50,7 @@ from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit,
 from dsv4_attention.common.sm90_gemm import THREADS_PER_WARPGROUP, make_tma_tile_atom
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, chunk_views, gather_offset
 from dsv4_attention.stages.d5_sink_merge.sm90 import FlashAttentionD5Sm90
-from dsv4_attention.stages.e_fused.sm90_pages import PagedFp8Gather, staging_bytes
+from dsv4_attention.stages.e_fused.sm90_pages import PagedFp8Gather
 
 GATHER_BYTES = ROW_UNIT_BYTES  # one cp.async: 8 bf16 columns of a row
 UNITS = CHUNK_COLS * 2 // GATHER_BYTES  # 16-byte units of a chunk's 128-byte row
@@ -92,13 +92,12 @@ class RequestEntries(NamedTuple):
 class EntrySources(NamedTuple):
     """What ``load_kv`` takes to load an entries tile (``entry_sources``): the TMA atom and this
     tile's chunk views of the entries, the ring's first byte and the rows' memory (top-k gathers),
-    the producer warp, and (FP8 pages) the staging buffer's address."""
+    the producer warp."""
     atom: Any
     tCgC: Any
     ring_base: Any
     mC_mem_hb: Any
     warp_idx: Any
-    staging: Any = None
     extra: Any = None  # kv_pages_extra: the second cache's bytes (pages, bytes)
 
 
@@ -147,14 +146,7 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
     def stage_words(self) -> int:
         if not self.has_topk:
             return 0
-        lists = self.tile_n * self.slots
-        if self.kv_pages:  # then the FP8 gather's staging buffer, 16-byte aligned (4 words of slack)
-            return lists + 4 + staging_bytes(self.tile_n) // 4
-        return lists
-
-    def staging_address(self, words):
-        """The FP8 gather's staging buffer: after the lists in ``stage_words``, 16-byte aligned."""
-        return (words.iterator.toint() + self.tile_n * self.slots * 4 + 15) & -16
+        return self.tile_n * self.slots
 
     @cute.jit
     def prefetch_entries(self, entries):
@@ -206,8 +198,7 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
             return None
         if cutlass.const_expr(self.kv_pages):  # gathered by address only
             extra = tile.entries[3] if cutlass.const_expr(self.kv_pages_extra) else None
-            return EntrySources(None, None, smem.ring_base, tile.entries[2], warp_idx,
-                                self.staging_address(smem.stage_words), extra)
+            return EntrySources(None, None, smem.ring_base, tile.entries[2], warp_idx, extra)
         atom, mC_hb, mC_mem_hb = tile.entries
         _, tCgC = chunk_views(atom, mC_hb, smem.sK, self.tile_n)
         return EntrySources(atom, tCgC, smem.ring_base, mC_mem_hb, warp_idx)
@@ -248,15 +239,16 @@ class FlashAttentionESm90(PagedFp8Gather, FlashAttentionD5Sm90):
         # first); Q's TMA issued ahead of it overlaps that wait
         return self.has_topk
 
+    def load_pairs(self, ring, n_blocks, srcs, q_load, warp_idx, uses_before=0, tiles_before=0, q_empty=None):
+        if self.kv_pages:  # the FP8 gather's own pipelined loads (sm90_pages.py)
+            return self.load_pairs_fp8(ring, n_blocks, srcs, q_load, warp_idx, uses_before, tiles_before, q_empty)
+        return super().load_pairs(ring, n_blocks, srcs, q_load, warp_idx, uses_before, tiles_before, q_empty)
+
     @cute.jit
     def load_kv(self, ring, t, n, span, tma_atom_k, tKgK, tKsK, sources, half=None):
         if cutlass.const_expr(self.has_topk):  # all four producer warps run this
-            if n < span.n_cmp:
-                if cutlass.const_expr(self.kv_pages):
-                    self.gather_fp8_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, sources.staging, half,
-                                         sources.extra)
-                else:
-                    self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
+            if n < span.n_cmp:  # (FP8 pages load through load_pairs_fp8, never here)
+                self.gather_tile(ring, t, n, span, sources.ring_base, sources.mC_mem_hb, half)
             elif sources.warp_idx == 0:
                 ring.load(t, tma_atom_k, tKgK, tKsK, n - span.n_cmp, half)
             else:
