@@ -59,5 +59,39 @@ def launch_profiled(calls: list) -> None:
     torch.cuda.nvtx.range_pop()
 
 
+def kernel_times(fn, reps: int = 5) -> list:
+    """Per-kernel CUDA times of one call of ``fn`` (torch.profiler over ``reps`` calls after a
+    warm one): [(kernel name, launches a call, us a call)], longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key[:70], e.count // reps, round(e.device_time_total / reps, 1))
+            for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def print_kernel_times(fn, reps: int = 5) -> None:
+    for name, count, us in kernel_times(fn, reps):
+        print(f"    {us:8.1f} us  x{count}  {name}", flush=True)
+
+
+def decode_pool(win, win_idx, ext, ext_idx):
+    """Both of a decode step's caches dequantized into one bf16 pool of rows, and each token's two
+    lists as one list into it (the extra cache's slots after the window cache's, -1 kept):
+    (pool [slots, 1, 512], lists [batch, s_q, k_a + k_b]), for ``index_attention`` over the same
+    keys as ``e_fused.decode`` (the bf16 gather's reference point in the FP8 profiles)."""
+    from dsv4_attention.common import kv_cache as kc
+
+    win16, ext16 = kc.dequantize_kv_cache(win), kc.dequantize_kv_cache(ext)
+    pool = torch.cat([kc.cache_rows(win16), kc.cache_rows(ext16)])
+    first = win16.shape[0] * win16.shape[1]
+    return pool, torch.cat([win_idx, torch.where(ext_idx >= 0, ext_idx + first, ext_idx)], -1)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

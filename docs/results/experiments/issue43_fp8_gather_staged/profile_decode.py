@@ -6,27 +6,13 @@ Run on the device: ``python docs/results/experiments/issue43_fp8_gather_staged/p
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
 from dsv4_attention.common import kv_cache as kc  # noqa: E402
 from dsv4_attention.stages import e_fused  # noqa: E402
 from tools.bench_decode import FP8_CONFIGS, fp8_cache  # noqa: E402
 from tools.bench_stages import graph_ms  # noqa: E402
-
-
-def kernels(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.count:
-            rows.append((e.key[:70], e.count // reps, round(e.device_time_total / reps, 1)))
-    return sorted(rows, key=lambda r: -r[2])
+from tools.profile_e import decode_pool, print_kernel_times  # noqa: E402
 
 
 def case(dev, config, b):
@@ -41,22 +27,20 @@ def case(dev, config, b):
         for ns in (None, 1):
             def call(w=w, x=x, ns=ns):
                 return e_fused.decode(q, w, win_idx, attn_sink=sink, extra_k_cache=x, extra_indices=ext_idx,
-                                      softmax_scale=512 ** -0.55, check_indices=False, num_splits=ns)
+                                      softmax_scale=512 ** -0.55, check_indices=False, num_splits=ns,
+                                      one_launch=False)  # the two launches it measured (then the only form)
             ms = graph_ms([call])
             print(f"CONFIG{config} b{b} {name} splits={ns or 'auto'}: {ms * 1e3:.1f} us (graph)", flush=True)
-            for r in kernels(call):
-                print(f"    {r[2]:8.1f} us  x{r[1]}  {r[0]}", flush=True)
+            print_kernel_times(call)
     # one index-mode call over both lists' rows in one bf16 pool (no split, no merge)
-    pool = torch.cat([kc.cache_rows(win16), kc.cache_rows(ext16)])
-    both = torch.cat([win_idx, torch.where(ext_idx >= 0, ext_idx + win16.shape[0] * win16.shape[1], ext_idx)], -1)
+    pool, both = decode_pool(win, win_idx, ext, ext_idx)
     qq = q.view(b * s_q, heads, 512)
 
     def one():
         return e_fused.index_attention(qq, pool, both.view(b * s_q, 1, -1), attn_sink=sink,
                                        softmax_scale=512 ** -0.55, check_indices=False)
     print(f"CONFIG{config} b{b} bf16 pool, one index_attention: {graph_ms([one]) * 1e3:.1f} us (graph)", flush=True)
-    for r in kernels(one):
-        print(f"    {r[2]:8.1f} us  x{r[1]}  {r[0]}", flush=True)
+    print_kernel_times(one)
 
 
 dev = torch.device("cuda")

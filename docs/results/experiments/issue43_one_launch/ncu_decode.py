@@ -13,17 +13,14 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from dsv4_attention.common import kv_cache as kc  # noqa: E402
 from dsv4_attention.stages import e_fused  # noqa: E402
 from tools.bench_decode import fp8_decode_step  # noqa: E402
-from tools.profile_e import launch_profiled  # noqa: E402
+from tools.profile_e import decode_pool, launch_profiled  # noqa: E402
 
 dev = torch.device("cuda")
 q, win, win_idx, kw = fp8_decode_step(dev, 2, 64)
 ext, ext_idx, sink = kw["extra_k_cache"], kw["extra_indices"], kw["attn_sink"]
-win16, ext16 = kc.dequantize_kv_cache(win), kc.dequantize_kv_cache(ext)
-pool = torch.cat([kc.cache_rows(win16), kc.cache_rows(ext16)])
-both = torch.cat([win_idx, torch.where(ext_idx >= 0, ext_idx + win16.shape[0] * win16.shape[1], ext_idx)], -1)
+pool, both = decode_pool(win, win_idx, ext, ext_idx)
 b, s_q, h, d = q.shape
 calls = [("fp8 one launch", lambda: e_fused.decode(q, win, win_idx, num_splits=1, one_launch=True, **kw)),
          ("bf16 pool index_attention", lambda: e_fused.index_attention(

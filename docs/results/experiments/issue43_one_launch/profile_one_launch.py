@@ -6,24 +6,12 @@ caches. Run on the device: ``python docs/results/experiments/issue43_one_launch/
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
 from dsv4_attention.stages import e_fused  # noqa: E402
 from tools.bench_decode import fp8_decode_step  # noqa: E402
 from tools.bench_stages import graph_ms  # noqa: E402
-
-
-def kernels(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key[:70], e.count // reps, round(e.device_time_total / reps, 1))
-            for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
-    return sorted(rows, key=lambda r: -r[2])
+from tools.profile_e import print_kernel_times  # noqa: E402
 
 
 def case(dev, config, b):
@@ -42,8 +30,7 @@ def case(dev, config, b):
         pass
     for name, call in calls.items():
         print(f"CONFIG{config} b{b} {name}: {graph_ms([call]) * 1e3:.1f} us (graph)", flush=True)
-        for r in kernels(call):
-            print(f"    {r[2]:8.1f} us  x{r[1]}  {r[0]}", flush=True)
+        print_kernel_times(call)
 
 
 dev = torch.device("cuda")
