@@ -52,7 +52,7 @@ def tests(session):
 
 
 # one session per stage: `nox -s stage_b` runs stage B's tests (CPU part here, GPU part on a GPU)
-STAGE_IDS = ("a", "b", "c", "d1", "d2", "d3", "d4", "d5", "e")
+STAGE_IDS = ("a", "b", "c", "d1", "d2", "d3", "d4", "d5", "e", "f")
 
 
 def _stage_session(stage_id):

@@ -1,6 +1,11 @@
-"""What the library differentiates: today nothing, and it says so.
+"""What the library differentiates, and the refusal everywhere else.
 
-The kernels compute the forward only. A torch function that returns an output without a
+Differentiable (stage F's backward, sm90): ``attention(q, k, v)`` with ``softmax_scale``,
+``causal`` and ``window_size``, head dims 64 and 128, GQA / MQA, K = V (one gradient, dK + dV):
+:func:`dense_attention` wraps the forward in a ``torch.autograd.Function`` that saves q, k, v, O
+and LSE (never P) and runs stage F's kernel in backward. LSE is returned without a gradient.
+
+Every other call launches forward kernels only. A torch function that returns an output without a
 ``grad_fn`` while its input requires grad would let a training loop run on silently: the loss's
 gradient never reaches q, k, v, the compressed entries or the sink. So every call that launches a
 kernel first asks :func:`refuse_grad`: under grad mode (``torch.is_grad_enabled()``), a tensor
@@ -58,3 +63,36 @@ def refuse_op_grad(op, what: str) -> None:
         raise NotDifferentiableError(_message(what, "an input"))
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+class _DenseAttention(torch.autograd.Function):
+    """o, lse = run_forward(); backward: stage F's kernel on (q, k, v, o, lse, do)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, window_size, run_forward):
+        o, lse = run_forward()
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from dsv4_attention.stages.f_backward import backward
+
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, o, lse, do.contiguous(), **ctx.options)
+        return dq, dk, dv, None, None, None, None
+
+
+def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward):
+    """``run_forward()`` (the forward kernel's (o, lse) for q, k, v) made differentiable in q, k, v;
+    raises :class:`NotDifferentiableError` before any launch where stage F cannot serve the inputs.
+    v may be k (K = V): autograd adds its two gradients."""
+    from dsv4_attention.stages.f_backward import serves
+
+    why = serves(q, k, v)
+    if why is not None:
+        raise NotDifferentiableError(f"attention cannot be differentiated here: {why}. Call it under torch.no_grad() "
+                                     f"or with detached inputs (docs/training.md)")
+    return _DenseAttention.apply(q, k, v, softmax_scale, causal, window_size, run_forward)

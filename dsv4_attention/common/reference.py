@@ -158,3 +158,41 @@ def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
     if sink is not None:
         o = o * _sink_scale(lse, sink)[..., None]
     return o, lse
+
+
+def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causal: bool = False,
+                       window_size=(None, None)):
+    """Gradients of ``attention`` (no sink, no seqused_k) in float64, written out rather than
+    autograd's, so that a row with no visible key is exact (its P is 0: no gradient, no NaN):
+
+        P = softmax(S) over the visible keys, D_i = dO_i . O_i, dV = P^T dO, dP = dO V^T,
+        dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q
+
+    with a KV head's gradient summed over its query heads. Returns (dq, dk, dv) float64 in the
+    inputs' shapes; where v is k the caller adds dk and dv. tests/test_f_cpu.py checks it against
+    torch.autograd on the forward reference, and that reference by finite differences."""
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    h, hk = q.shape[2], k.shape[2]
+    o, lse = attention(q, k, v, scale, causal=causal, window_size=window_size)
+    s = qk_scores(q, k, scale)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # hidden keys: exp(-inf) = 0; empty rows: NaN -> 0
+    left, right = window_size
+    if causal:
+        right = 0
+    if left is not None or right is not None:
+        p = p * visibility(q.shape[1], k.shape[1], None, (left, right), device=q.device)
+    do64 = do.to(torch.float64)
+    q64 = q.to(torch.float64)
+    k64 = _expand_kv(k, h).to(torch.float64)
+    v64 = _expand_kv(v, h).to(torch.float64)
+    dsum = (do64 * o).sum(-1).transpose(1, 2)  # [b, h, sq]
+    dv = torch.einsum("bhij,bihd->bjhd", p, do64)
+    dp = torch.einsum("bihd,bjhd->bhij", do64, v64)
+    ds = p * (dp - dsum[..., None])
+    dq = torch.einsum("bhij,bjhd->bihd", ds, k64) * scale
+    dk = torch.einsum("bhij,bihd->bjhd", ds, q64) * scale
+
+    def per_kv_head(x):  # [b, sk, h, d] -> [b, sk, hk, d]: the sum over each KV head's group
+        return x.unflatten(2, (hk, h // hk)).sum(3)
+
+    return dq, per_kv_head(dk), per_kv_head(dv)

@@ -42,6 +42,19 @@ class Sm90FwdBarrier(enum.IntEnum):
     FP8_GATHER = 12
 
 
+class Sm90BwdBarrier(enum.IntEnum):
+    """The backward's (stages/f_backward/sm90.py), over its two consumer warpgroups."""
+    # dS^T of both warpgroups' keys is in SMEM (stores fenced): the dQ wgmma may read it
+    DS_READY = 1
+    # both warpgroups' dQ wgmmas have read sdS: the next visit may overwrite it
+    DS_FREE = 2
+    # dK's and dV's epilogues, one id each (common/sm90_epilogue.store_o: sync, then the store warp
+    # syncs while the others arrive): on one id the second store's sync would count into the first
+    # store's arrive phase and hang the CTA
+    EPILOGUE_DK = 3
+    EPILOGUE_DV = 4
+
+
 @dsl_user_op
 def barrier_sync_unaligned(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
     """``barrier.sync id, n`` without ``.aligned``: the warps may reach it at different barrier

@@ -11,8 +11,10 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
+import torch
+
 from dsv4_attention.common import call_plan
-from dsv4_attention.common.autograd import refuse_grad
+from dsv4_attention.common.autograd import dense_attention, refuse_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,14 @@ STAGES: list[Stage] = [
 ]
 
 
-#: the stage behind :func:`attention`: the newest one, serving every case the earlier stages do
+#: the stages after the forward's: the backward (training), which differentiates :func:`attention`
+#: rather than extending it
+TRAINING: list[Stage] = [_load("f_backward")]
+
+#: every stage, forward then training: what the harness compiles, proves and reports
+ALL_STAGES: list[Stage] = [*STAGES, *TRAINING]
+
+#: the stage behind :func:`attention`: the newest forward one, serving every case the earlier stages do
 FINAL = "e"
 
 
@@ -63,7 +72,8 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     DeepSeek-V4: ``attention(q, kv, compressed_kv=ckv, compress_ratio=128, window_size=(127, 0),
     learnable_sink=sink)`` attends, in one softmax, to the window and to the compressed entries
     j < floor((t' + 1) / ratio) (its HCA layers), or only those ``topk_indices`` lists per token
-    (its CSA layers). Forward only (docs/training.md).
+    (its CSA layers). Differentiable in q, k, v where stage F serves the call (dense: scale, causal,
+    window; head dims 64 and 128 on sm90; docs/training.md); elsewhere refused under grad mode.
 
     Args:
         q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head dims 64-512; [total_q, heads,
@@ -107,6 +117,13 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         NotDifferentiableError: under grad mode, an input that requires grad
             (common/autograd.py).
     """
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)) and \
+            _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink,
+                            positions, out, lse_out, num_splits):
+        final = get(FINAL).forward
+        return dense_attention(q, k, k if v is None else v, softmax_scale, causal, window_size, lambda: final(
+            q.detach(), k.detach(), None if v is None else v.detach(), softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, pack_gqa=pack_gqa, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
     refuse_grad("attention", q=q, k=k, v=v, compressed_kv=compressed_kv, learnable_sink=learnable_sink)
     key = None
     if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None and \
@@ -132,8 +149,16 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         num_splits=num_splits))
 
 
+def _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink, positions,
+                    out, lse_out, num_splits) -> bool:
+    """Whether stage F's backward covers the call's options (common/autograd.py): dense attention
+    with a scale, causal and a window; everything else is refused under grad mode."""
+    return all(x is None for x in (compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink,
+                                   positions, out, lse_out)) and num_splits in (1, None)
+
+
 def get(stage_id: str) -> Stage:
-    for s in STAGES:
+    for s in ALL_STAGES:
         if s.id == stage_id:
             return s
-    raise ValueError(f"unknown stage {stage_id!r}; stages are {[s.id for s in STAGES]}")
+    raise ValueError(f"unknown stage {stage_id!r}; stages are {[s.id for s in ALL_STAGES]}")

@@ -1,0 +1,489 @@
+"""Stage F on Hopper (SM90): the backward of attention. dQ, dK, dV from Q, K, V, dO, the
+forward's LSE and D = rowsum(dO * O); P is recomputed, never stored (FlashAttention-2/3's
+algorithm, with FlashAttention-3's transposed scores).
+
+    P[i, j]  = exp(scale q_i . k_j - LSE_i)      visible (i, j); 0 otherwise
+    dV_j     = sum_i P[i, j] dO_i
+    dP[i, j] = dO_i . v_j
+    dS[i, j] = P[i, j] (dP[i, j] - D_i)
+    dQ_i     = scale sum_j dS[i, j] k_j
+    dK_j     = scale sum_i dS[i, j] q_i
+
+Work decomposition
+    grid  = (ceil(seqlen_k / tile_n), kv_heads, batch): one CTA per KV tile of one (kv head,
+            batch). K and V of the tile stay in SMEM, its dK and dV accumulate in registers over
+            every (query head of the KV head's group, Q tile) that sees one of its keys
+            (``span.q_tile_range``), so dK and dV are complete when the CTA ends: GQA's sum over
+            the group happens in the CTA, with no atomics and in a fixed order. dQ gets one partial
+            sum per KV tile: each CTA adds scale * dS K into an fp32 accumulator (red.global.add;
+            the host rounds it to q's dtype).
+    block = 128 x 3 threads:
+            warpgroup 0      producer (setmaxnreg 24): warp 0 issues every TMA load.
+            warpgroups 1, 2  consumers (240): warpgroup w owns keys [64 w, 64 w + 64) of the tile
+                             for S^T, dP^T, dV, dK, and dQ's columns [d/2 w, d/2 (w + 1)).
+
+Why the scores are transposed (FlashAttention-3's SdP_swapAB): the consumers compute
+S^T = K Q^T, whose rows are keys. Then P^T and dS^T, rounded to 16 bits in registers, are the
+A operands of dV = P^T dO and dK = dS^T Q as they stand (common/p_staging.py's relabelling, the
+forward's P trick), and each thread's row statistics become column statistics: the LSE and D of
+the queries its values hold (16 of each at tile_m = 64), read from global memory before the
+S^T wgmma completes. dQ = dS K needs dS with queries as rows: the warpgroups write dS^T into
+SMEM once, and the dQ wgmma reads it MN-major (the same bytes, transposed; the proof is in
+tests/test_f_sm90_host.py).
+
+Pipelines and barriers
+    kv_bar      mbarrier, one phase: K and V of the tile (TMA); consumers wait before the first GEMM.
+    pipeline_q, pipeline_do   PipelineTmaAsync, ``stages`` slots each: the producer loads Q and
+                dO of the visit's (head, Q tile) into the same slot index; consumers release both
+                after the visit's last wgmma that read them (dK reads Q, dV reads dO).
+    DS_READY    named barrier (256 consumer threads): both warpgroups' dS^T rows are in sdS.
+    DS_FREE     both warpgroups' dQ wgmmas have read sdS: the next visit may overwrite it.
+    EPILOGUE_DK, EPILOGUE_DV   sK / sV may be overwritten by dK / dV, then the TMA stores read them
+                (common/sm90_epilogue.store_o); one id each: store_o ends with an arrive phase, which
+                a second store's sync on the same id would join, and hang.
+
+Consumer warpgroup, per visit (Q tile m of head h)
+    LSE2, D of the tile's queries -> registers (global loads; padded rows: LSE2 = +inf, D = 0)
+    issue S^T = K Q^T, dP^T = V dO^T                       (two wgmma groups)
+    wait S^T; P^T = exp2(S^T scale log2 e - LSE2), 0 where hidden; P^T -> 16 bits
+    issue dV += P^T dO                                     (RS; dO read MN-major)
+    wait dP^T; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
+    issue dK += dS^T Q                                     (RS; Q read MN-major)
+    DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); wait all; release Q, dO
+    red.global.add(dQacc, scale dQ); DS_FREE
+    end: dK *= scale; dK, dV -> SMEM -> TMA stores (rows past seqlen_k clipped).
+
+Layouts (consumer warpgroup w, warp w' in it, lane l)
+    sQ, sdO     (tile_m, d, stages) K-major SW128 (TMA fills); sQt, sdOt the same bytes as
+                (d, tile_m, stages) MN-major: the B of dK / dV.
+    sK, sV      (tile_n, d, 1) K-major SW128; sKt (d, tile_n, 1): the B of dQ.
+    sdS         (tile_n, tile_m, 1) K-major SW128 (written from the S^T partition); sdSt the
+                same bytes as (tile_m, tile_n, 1) MN-major: the A of dQ.
+    S^T, dP^T   ((2,2,tile_m/8),1,1): value (c, r, n) = S^T[64 w + 16 w' + l/4 + 8 r,
+                8 n + 2 (l%4) + c]: queries 8 n + 2 (l%4) + c, independent of r, so the column
+                statistics are tile_m / 4 values a thread, stat (c, n) for value (c, r, n).
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
+
+from dsv4_attention.common.layouts import seq_major
+from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
+from dsv4_attention.common.sm90_barriers import Sm90BwdBarrier
+from dsv4_attention.common.sm90_epilogue import store_o
+from dsv4_attention.common.sm90_gemm import (
+    SMEM_ALIGN,
+    THREADS_PER_WARPGROUP,
+    WGMMA_M,
+    gemm,
+    make_tile_smem_layout,
+    make_tile_smem_layout_mn,
+    make_tiled_mma,
+    make_tma_tile_atom,
+    tile_tma_partition,
+)
+from dsv4_attention.stages.f_backward.span import q_tile_range
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+NUM_WG = 2  # consumer warpgroups: 128 keys
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+
+
+def stat_index(i: int) -> int:
+    """The column statistic of S^T value i = c + 2 r + 4 n: stat c + 2 n (r, the row half,
+    does not change the query)."""
+    return i % 2 + 2 * (i // 4)
+
+
+def stat_value(s: int) -> int:
+    """A value of the S^T fragment whose query is statistic s's (r = 0)."""
+    return s % 2 + 4 * (s // 2)
+
+
+def make_dq_tiled_mma(dtype: type[cutlass.Numeric], head_dim: int) -> cute.TiledMma:
+    """dQ = dS K: wgmma 64 x (d/2) x 16, the two warpgroups side by side along N (dQ's
+    columns); A = dS and B = K both MN-major from SMEM (queries, resp. head dims, contiguous)."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32,
+        (1, NUM_WG, 1), tiler_mn=(WGMMA_M, head_dim // NUM_WG),
+    )
+
+
+class FlashAttentionBackwardSm90:
+    arch = "sm_90a"
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        *,
+        has_left: bool = False,
+        has_right: bool = False,
+        tile_m: int = 64,
+        tile_n: int = NUM_WG * WGMMA_M,
+        stages: int = 2,
+    ):
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise TypeError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if tile_m != 64 or tile_n != NUM_WG * WGMMA_M:
+            raise ValueError("the backward's tile is 64 queries x 128 keys")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.has_left = has_left
+        self.has_right = has_right
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.stages = stages
+        self.num_wg = NUM_WG
+        self.consumer_regs, self.producer_regs = CONSUMER_REGS, PRODUCER_REGS
+        self.consumer_threads = NUM_WG * THREADS_PER_WARPGROUP
+        self.shared_storage = None
+
+    def register_plan(self) -> list:
+        return [(THREADS_PER_WARPGROUP, self.producer_regs), (self.consumer_threads, self.consumer_regs)]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, d)
+        mK: cute.Tensor,  # (batch, seqlen_k, kv_heads, d)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,  # like mQ
+        mLSE2: cute.Tensor,  # (batch, heads, rows) fp32: LSE log2(e), +inf where no key; rows >= seqlen_q padded
+        mD: cute.Tensor,  # (batch, heads, rows) fp32: rowsum(dO * O), 0 on padded rows
+        mdQacc: cute.Tensor,  # (batch, rows, heads, d) fp32, zeroed: dQ accumulates here
+        mdK: cute.Tensor,  # like mK
+        mdV: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        scale: cutlass.Float32,
+        left: cutlass.Int32,
+        right: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("dO", mdO), ("dK", mdK), ("dV", mdV)):
+            if cutlass.const_expr(t.element_type != self.dtype):
+                raise TypeError(f"{name} must be {self.dtype}, got {t.element_type}")
+        for name, t in (("LSE2", mLSE2), ("D", mD), ("dQacc", mdQacc)):
+            if cutlass.const_expr(t.element_type != cutlass.Float32):
+                raise TypeError(f"{name} must be Float32, got {t.element_type}")
+        seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
+        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        sdp_mma = make_tiled_mma(self.dtype, tm, warpgroups=self.num_wg)  # S^T, dP^T: M = keys, N = queries
+        dkv_mma = make_pv_tiled_mma(self.dtype, d, warpgroups=self.num_wg)  # dV, dK: A from registers
+        dq_mma = make_dq_tiled_mma(self.dtype, d)
+        sQ_layout = make_tile_smem_layout(self.dtype, tm, d, self.stages)
+        sQt_layout = make_tile_smem_layout_mn(self.dtype, tm, d, self.stages)
+        sKV_layout = make_tile_smem_layout(self.dtype, tn, d, 1)
+        sKVt_layout = make_tile_smem_layout_mn(self.dtype, tn, d, 1)
+        sdS_layout = make_tile_smem_layout(self.dtype, tn, tm, 1)
+        sdSt_layout = make_tile_smem_layout_mn(self.dtype, tn, tm, 1)
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_q, tma_q = make_tma_tile_atom(load, mQ, sQ_layout, tm, d)
+        tma_atom_do, tma_do = make_tma_tile_atom(load, mdO, sQ_layout, tm, d)
+        tma_atom_k, tma_k = make_tma_tile_atom(load, mK, sKV_layout, tn, d)
+        tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, tn, d)
+        tma_atom_dk, tma_dk = make_tma_tile_atom(store, mdK, sKV_layout, tn, d)
+        tma_atom_dv, tma_dv = make_tma_tile_atom(store, mdV, sKV_layout, tn, d)
+
+        @cute.struct
+        class SharedStorage:
+            kv_bar: cutlass.Int64
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]  # full, then empty
+            do_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+
+        self.shared_storage = SharedStorage
+
+        grid = (cute.ceil_div(seqlen_k, tn), mK.shape[2], mK.shape[3])
+        self.kernel(
+            sdp_mma, dkv_mma, dq_mma,
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
+            mLSE2, mD, mdQacc, scale_log2, scale, left, right, seqlen_q, seqlen_k,
+            sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout,
+        ).launch(
+            grid=grid,
+            block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        sdp_mma: cute.TiledMma,
+        dkv_mma: cute.TiledMma,
+        dq_mma: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,  # TMA coordinate tensors, (seqlen, d, heads, batch)
+        tma_atom_do: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_dk: cute.CopyAtom,
+        mdK: cute.Tensor,
+        tma_atom_dv: cute.CopyAtom,
+        mdV: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,  # (rows, d, heads, batch) fp32
+        scale_log2: cutlass.Float32,
+        scale: cutlass.Float32,
+        left: cutlass.Int32,
+        right: cutlass.Int32,
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sQt_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sKVt_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdSt_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, head_kv, batch = cute.arch.block_idx()
+        group = mQ.shape[2] // mK.shape[2]
+
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dk, tma_atom_dv):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        kv_bar = storage.kv_bar.ptr
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(kv_bar, 1)
+        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+        pipeline_q, pipeline_do = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=bars.data_ptr(), num_stages=self.stages, producer_group=producer,
+                consumer_group=consumers, tx_count=q_bytes, defer_sync=True,
+            )
+            for bars in (storage.q_bars, storage.do_bars)
+        ]
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sQt = storage.sQ.get_tensor(sQt_layout.outer, swizzle=sQt_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdOt = storage.sdO.get_tensor(sQt_layout.outer, swizzle=sQt_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sKt = storage.sK.get_tensor(sKVt_layout.outer, swizzle=sKVt_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)
+
+        m_lo, m_hi = q_tile_range(n_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left, right,
+                                  self.has_left, self.has_right)
+        m_count = m_hi - m_lo
+        visits = group * m_count
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(kv_bar, pipeline_q, pipeline_do, n_block, head_kv, batch, group, m_lo, m_count, visits,
+                          tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                sdp_mma, dkv_mma, dq_mma, kv_bar, pipeline_q, pipeline_do,
+                sQ, sQt, sdO, sdOt, sK, sKt, sV, sdS, sdSt,
+                tma_atom_dk, mdK, tma_atom_dv, mdV, mLSE2, mD, mdQacc,
+                scale_log2, scale, left, right, seqlen_q, seqlen_k,
+                n_block, head_kv, batch, group, m_lo, m_count, visits,
+            )
+
+    # -------------------------------------------------------------------------------
+    # Producer: warp 0
+    # -------------------------------------------------------------------------------
+
+    @cute.jit
+    def load(
+        self,
+        kv_bar: cute.Pointer,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_do: pipeline.PipelineTmaAsync,
+        n_block: cutlass.Int32,
+        head_kv: cutlass.Int32,
+        batch: cutlass.Int32,
+        group: cutlass.Int32,
+        m_lo: cutlass.Int32,
+        m_count: cutlass.Int32,
+        visits: cutlass.Int32,
+        tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, sQ: cute.Tensor,
+        tma_atom_do: cute.CopyAtom, mdO: cute.Tensor, sdO: cute.Tensor,
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor, sK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom, mV: cute.Tensor, sV: cute.Tensor,
+    ):
+        """K, V of the tile once (kv_bar), then Q and dO of each visit, head-major."""
+        d = self.head_dim
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
+        tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
+        if visits > 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, 2 * self.tile_n * d * self.dtype.width // 8)
+            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_bar)
+            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for it in cutlass.range(visits, unroll=1):
+            head = head_kv * group + it // m_count
+            m_block = m_lo + it % m_count
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
+            tOsdO, tOgdO = tile_tma_partition(tma_atom_do, sdO, gdO)
+            pipeline_q.producer_acquire(state)
+            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            pipeline_do.producer_acquire(state)
+            cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, state.index],
+                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            state.advance()
+
+    # -------------------------------------------------------------------------------
+    # Consumers: warpgroups 1, 2
+    # -------------------------------------------------------------------------------
+
+    @cute.jit
+    def consume(
+        self,
+        sdp_mma: cute.TiledMma,
+        dkv_mma: cute.TiledMma,
+        dq_mma: cute.TiledMma,
+        kv_bar: cute.Pointer,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_do: pipeline.PipelineTmaAsync,
+        sQ: cute.Tensor, sQt: cute.Tensor, sdO: cute.Tensor, sdOt: cute.Tensor,
+        sK: cute.Tensor, sKt: cute.Tensor, sV: cute.Tensor, sdS: cute.Tensor, sdSt: cute.Tensor,
+        tma_atom_dk: cute.CopyAtom, mdK: cute.Tensor, tma_atom_dv: cute.CopyAtom, mdV: cute.Tensor,
+        mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        scale: cutlass.Float32,
+        left: cutlass.Int32,
+        right: cutlass.Int32,
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
+        n_block: cutlass.Int32,
+        head_kv: cutlass.Int32,
+        batch: cutlass.Int32,
+        group: cutlass.Int32,
+        m_lo: cutlass.Int32,
+        m_count: cutlass.Int32,
+        visits: cutlass.Int32,
+    ):
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        wg_sdp = sdp_mma.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_dkv = dkv_mma.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_dq = dq_mma.get_slice(wg * THREADS_PER_WARPGROUP)
+        tSrK = sdp_mma.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]  # (MMA, 1, d/16)
+        tSrV = sdp_mma.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tSrQ = sdp_mma.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, d/16, stages)
+        tSrdO = sdp_mma.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdO = dkv_mma.make_fragment_B(wg_dkv.partition_B(sdOt))  # (MMA, 1, tile_m/16, stages)
+        tKrQ = dkv_mma.make_fragment_B(wg_dkv.partition_B(sQt))
+        tQrdS = dq_mma.make_fragment_A(wg_dq.partition_A(sdSt))[None, None, None, 0]  # (MMA, 1, tile_n/16)
+        tQrK = dq_mma.make_fragment_B(wg_dq.partition_B(sKt))[None, None, None, 0]
+
+        thr_sdp = sdp_mma.get_slice(tidx)
+        thr_dkv = dkv_mma.get_slice(tidx)
+        thr_dq = dq_mma.get_slice(tidx)
+        acc_s = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((tn, tm)))
+        acc_dp = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((tn, tm)))
+        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((tn, d)))
+        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((tn, d)))
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, d)))
+        r_p = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+        r_ds = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+        tVrP = as_a_operand(r_p)
+        tKrdS = as_a_operand(r_ds)
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))  # (key, query) of each value
+        tSsdS = thr_sdp.partition_C(sdS[None, None, 0])  # where this thread's dS^T values go
+        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))  # (query, column) of each dQ value
+        n_stats = cute.size(acc_s) // 2
+        lse = cute.make_rmem_tensor(n_stats, cutlass.Float32)
+        dsum = cute.make_rmem_tensor(n_stats, cutlass.Float32)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        offset = seqlen_k - seqlen_q  # query i sits at i + offset among the keys
+        key0 = n_block * tn
+
+        if visits > 0:
+            cute.arch.mbarrier_wait(kv_bar, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for it in cutlass.range(visits, unroll=1):
+            head = head_kv * group + it // m_count
+            q0 = (m_lo + it % m_count) * tm
+            for s in cutlass.range_constexpr(n_stats):
+                row = q0 + tScS[stat_value(s)][1]
+                lse[s] = mLSE2[batch, head, row]
+                dsum[s] = mD[batch, head, row]
+            pipeline_q.consumer_wait(state)
+            gemm(sdp_mma, acc_s, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+            pipeline_do.consumer_wait(state)
+            gemm(sdp_mma, acc_dp, tSrV, tSrdO[None, None, None, state.index], zero_init=True)
+            warpgroup.wait_group(1)  # S^T complete
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                key = key0 + tScS[i][0]
+                pos = q0 + tScS[i][1] + offset
+                hidden = key >= seqlen_k
+                if cutlass.const_expr(self.has_left):
+                    hidden = hidden | (key < pos - left)
+                if cutlass.const_expr(self.has_right):
+                    hidden = hidden | (key > pos + right)
+                p = cute.math.exp2(acc_s[i] * scale_log2 - lse[stat_index(i)], fastmath=True)
+                acc_s[i] = cutlass.Float32(0.0) if hidden else p
+            convert_p_packed(acc_s, r_p)
+            gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(1)  # dP^T complete (dV may run)
+            for i in cutlass.range_constexpr(cute.size(acc_dp)):
+                acc_dp[i] = acc_s[i] * (acc_dp[i] - dsum[stat_index(i)])
+            convert_p_packed(acc_dp, r_ds)
+            cute.autovec_copy(r_ds, tSsdS)
+            gemm(dkv_mma, acc_dk, tKrdS, tKrQ[None, None, None, state.index], zero_init=False)
+            cute.arch.fence_proxy("async.shared", space="cta")  # dS^T stores -> the dQ wgmma's reads
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY), number_of_threads=self.consumer_threads)
+            gemm(dq_mma, acc_dq, tQrdS, tQrK, zero_init=True)
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
+            state.advance()
+            # dQ's partial sum over this KV tile; padded rows land in the accumulator's padding
+            for i in cutlass.range_constexpr(cute.size(acc_dq)):
+                row, col = q0 + tQcQ[i][0], tQcQ[i][1]
+                cute.arch.red(mdQacc[row, None, head, batch].iterator + col, acc_dq[i] * scale, op="add", sem="relaxed",
+                              scope="gpu", dtype=cutlass.Float32)
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_FREE), number_of_threads=self.consumer_threads)
+
+        # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V) -> TMA -------------------
+        for i in cutlass.range_constexpr(cute.size(acc_dk)):
+            acc_dk[i] = acc_dk[i] * scale
+        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (tn, d), (None, 0))
+        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (tn, d), (None, 0))
+        leader = tidx // 32 == 0
+        store_o(acc_dk, sK, thr_dkv, tma_atom_dk, gdK, n_block, int(Sm90BwdBarrier.EPILOGUE_DK),
+                self.consumer_threads, leader)
+        store_o(acc_dv, sV, thr_dkv, tma_atom_dv, gdV, n_block, int(Sm90BwdBarrier.EPILOGUE_DV),
+                self.consumer_threads, leader)

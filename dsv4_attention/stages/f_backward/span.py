@@ -1,0 +1,39 @@
+"""Which Q tiles a KV tile's backward visits: those with a query that sees one of its keys.
+
+Visibility is the forward's (common/kv_span.py, bottom-right aligned): query i sits at
+p = i + seqlen_k - seqlen_q and sees key j iff j < seqlen_k, p - left <= j (left bound) and
+j <= p + right (right bound; causal is right = 0). So key j is seen by the queries with
+j - right <= p <= j + left, and the keys [k_lo, k_hi] of a KV tile by the queries
+
+    i_lo = max(0, k_lo - right - offset)                       (0 without a right bound)
+    i_end = min(seqlen_q, k_hi + left - offset + 1)            (seqlen_q without a left bound)
+
+offset = seqlen_k - seqlen_q. The KV tile visits Q tiles [i_lo // tile_m, ceil(i_end / tile_m)),
+none when i_end <= i_lo: its dK and dV are then 0. The host clamps left and right to at most
+seqlen_q + seqlen_k (a wider bound hides nothing), so no sum here leaves int32.
+
+Plain integer arithmetic (``cutlass.min`` / ``cutlass.max`` on Python ints and DSL integers
+alike): the kernel traces it and tests/test_f_span.py checks it against every (query, key).
+"""
+
+from __future__ import annotations
+
+import cutlass
+
+
+def q_tile_range(n_block, tile_n: int, tile_m: int, seqlen_q, seqlen_k, left, right, has_left: bool,
+                 has_right: bool):
+    """(m_lo, m_hi): KV tile n_block's backward visits Q tiles m_lo <= m < m_hi (m_hi >= m_lo)."""
+    offset = seqlen_k - seqlen_q
+    k_lo = n_block * tile_n
+    k_hi = cutlass.min(k_lo + tile_n, seqlen_k) - 1
+    i_lo = 0
+    i_end = seqlen_q
+    if has_right:
+        i_lo = cutlass.max(k_lo - right - offset, 0)
+    if has_left:
+        i_end = cutlass.min(k_hi + left - offset + 1, seqlen_q)
+    m_lo = i_lo // tile_m
+    # i_end may be negative (every query hidden): any rounding of it then stays <= m_lo
+    m_hi = cutlass.max((i_end + tile_m - 1) // tile_m, m_lo)
+    return m_lo, m_hi

@@ -1,0 +1,144 @@
+"""Stage F on the CPU: the float64 reference gradients, the Q-tile span, the call's checks and the
+autograd routing, without a GPU.
+
+- ``reference.attention_backward`` (the GPU tests' reference) equals torch.autograd through the
+  forward reference on GQA, causal, windowed and K = V cases, and the forward reference itself
+  passes torch.autograd.gradcheck (finite differences) on a tiny shape.
+- ``span.q_tile_range`` visits exactly the Q tiles holding a query that sees one of the KV tile's
+  keys, against every (query, key) pair; the negative control (the bottom-right offset dropped)
+  is rejected by the same check.
+- ``backward`` refuses bad inputs with a ValueError naming them before any launch; ``attention``
+  with inputs requiring grad goes to the autograd path where stage F serves the call and raises
+  NotDifferentiableError (before any launch) where it does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_attention import attention
+from dsv4_attention.common import reference
+from dsv4_attention.common.autograd import NotDifferentiableError
+from dsv4_attention.stages import f_backward as stage
+from dsv4_attention.stages.f_backward.span import q_tile_range
+
+pytestmark = [pytest.mark.stage_f]
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(5, 3)), dict(window_size=(None, 2)),
+                                  dict(kv_shared=True), dict(causal=True, kv_shared=True)],
+                         ids=["full", "causal", "window", "right", "k_eq_v", "causal_k_eq_v"])
+def test_reference_backward_is_autograds(case):
+    g = torch.Generator().manual_seed(11)
+    kv_shared = case.pop("kv_shared", False)
+    q = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    v = k if kv_shared else torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    do = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g)
+    o, _ = reference.attention(q, k, v, 0.3, **case)
+    o.backward(do)
+    dq, dk, dv = reference.attention_backward(q.detach(), k.detach(), v.detach(), do, 0.3, **case)
+    torch.testing.assert_close(dq, q.grad)
+    torch.testing.assert_close(dk + dv if kv_shared else dk, k.grad)
+    if not kv_shared:
+        torch.testing.assert_close(dv, v.grad)
+
+
+def test_reference_backward_of_an_empty_row_is_zero():
+    q, k, v, do = (torch.randn(1, n, 2, 8, dtype=torch.float64) for n in (6, 3, 3, 6))
+    dq, dk, dv = reference.attention_backward(q, k, v, do, causal=True)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert (dq[:, :3] == 0).all()  # rows 0-2 sit before key 0 (bottom-right alignment)
+
+
+def test_forward_reference_passes_gradcheck():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 2, 4, dtype=torch.float64, generator=g, requires_grad=True) for n in (3, 5, 5))
+    assert torch.autograd.gradcheck(lambda q, k, v: reference.attention(q, k, v, causal=True)[0], (q, k, v))
+
+
+def brute_tiles(n_block, sq, sk, left, right, tile_n=128, tile_m=64):
+    off = sk - sq
+    tiles = set()
+    for j in range(n_block * tile_n, min((n_block + 1) * tile_n, sk)):
+        for i in range(sq):
+            p = i + off
+            if (left is None or j >= p - left) and (right is None or j <= p + right):
+                tiles.add(i // tile_m)
+    return tiles
+
+
+def span_failures(span) -> list:
+    bad = []
+    for sq, sk in ((1, 1), (64, 128), (300, 1000), (1000, 300), (129, 257), (700, 700)):
+        for left, right in ((None, None), (None, 0), (0, 0), (127, 0), (50, 30), (None, 5), (0, None), (3000, 3000)):
+            for n in range(-(-sk // 128)):
+                want = brute_tiles(n, sq, sk, left, right)
+                lo, hi = span(n, 128, 64, sq, sk, left or 0, right or 0, left is not None, right is not None)
+                got = set(range(lo, hi))
+                # a visited tile may hold no visible pair only inside the span's hull
+                if not want <= got or (want and got != set(range(min(want), max(want) + 1))) or (not want and got):
+                    bad.append((sq, sk, left, right, n, sorted(want)[:3], (lo, hi)))
+    return bad
+
+
+def test_q_tile_range_is_the_visible_tiles():
+    assert not span_failures(q_tile_range)
+
+
+def test_span_checker_rejects_a_span_without_the_offset():
+    def no_offset(n_block, tile_n, tile_m, sq, sk, left, right, has_left, has_right):
+        return q_tile_range(n_block, tile_n, tile_m, sk, sk, left, right, has_left, has_right)
+
+    assert span_failures(no_offset)
+
+
+def cpu(d=128, grad=()):
+    q = torch.randn(1, 8, 4, d).bfloat16()
+    k, v = torch.randn(1, 16, 2, d).bfloat16(), torch.randn(1, 16, 2, d).bfloat16()
+    for t in grad:
+        {"q": q, "k": k, "v": v}[t].requires_grad_(True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("bad", ["head_dim", "o_shape", "lse_dtype", "do_dtype", "stride", "device"])
+def test_backward_names_bad_input(bad):
+    q, k, v = cpu()
+    o, do = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.zeros(1, 4, 8)
+    args = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
+    match = {"head_dim": "head_dim", "o_shape": "o must be", "lse_dtype": "lse must be", "do_dtype": "do must be",
+             "stride": "k stride", "device": "CUDA"}[bad]
+    if bad == "head_dim":
+        args.update(q=q[..., :96].contiguous(), k=k[..., :96].contiguous(), v=v[..., :96].contiguous())
+    elif bad == "o_shape":
+        args["o"] = o[:, :4]
+    elif bad == "lse_dtype":
+        args["lse"] = lse.double()
+    elif bad == "do_dtype":
+        args["do"] = do.float()
+    elif bad == "stride":
+        args["k"] = torch.randn(1, 16, 2, 130).bfloat16()[..., :128]
+    with pytest.raises(ValueError, match=match):
+        stage.backward(**args)
+
+
+def test_attention_with_grad_names_why_it_cannot_differentiate():
+    q, k, v = cpu(grad=("q",))
+    with pytest.raises(NotDifferentiableError, match="CUDA tensors"):
+        attention(q, k, v)
+    q, k, v = cpu(d=256, grad=("v",))
+    with pytest.raises(NotDifferentiableError, match=r"head dims \(64, 128\)"):
+        attention(q, k, v)
+    q, k, v = cpu(grad=("q",))
+    with pytest.raises(NotDifferentiableError, match="serves"):
+        attention(q.half().float(), k.float(), v.float())  # fp32: the backward serves bf16 / fp16
+
+
+def test_unsupported_options_are_still_refused():
+    q, k, v = cpu(grad=("k",))
+    with pytest.raises(NotDifferentiableError, match="attention has no backward yet, but k requires grad"):
+        attention(q, k, v, learnable_sink=torch.zeros(4))
+    with pytest.raises(NotDifferentiableError, match="attention has no backward yet"):
+        attention(q, k, v, seqused_k=torch.tensor([16], dtype=torch.int32))

@@ -1,0 +1,170 @@
+"""Stage F on a GPU: the backward's dQ, dK, dV against the float64 reference gradients
+(``reference.attention_backward``), globally and row by row, into NaN-poisoned outputs.
+
+Bounds (relative Frobenius error of each gradient; rows at 4x, a row below a tenth of the median
+row norm judged against that tenth): bf16 2e-2, fp16 1e-2 (measured on an H200: 2.3-2.5e-3 bf16). The
+gradients are rounded to the inputs' dtype (bf16 alone contributes ~3e-3) and P, dS are rounded
+to 16 bits before their GEMMs, as in FlashAttention's backward. Cases: head dims 64 / 128,
+sequence lengths that are not multiples of the 64 x 128 tile, several KV tiles and Q tiles,
+GQA / MQA, K = V, causal and windows (rows with no visible key: gradient 0), scores with large
+magnitude, dO with outliers, the autograd path through ``attention``, dK / dV bitwise repeatable
+(dQ accumulates by atomics: not bitwise), compute-sanitizer.
+"""
+
+import pytest
+import torch
+
+from dsv4_attention import attention
+from dsv4_attention.common import reference
+from dsv4_attention.common.testing import (
+    attention_inputs,
+    errors,
+    gpu_arch_params,
+    poison_,
+    random_bshd,
+    sanitizer_test,
+)
+from dsv4_attention.stages import e_fused
+from dsv4_attention.stages import f_backward as stage
+
+pytestmark = [pytest.mark.stage_f]
+
+GRAD_REL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# rows below a tenth of the median row norm are judged against that tenth (``errors``' row_floor):
+# a query that sees one key has dQ = 0 exactly, which the kernel returns as rounding noise
+ROW_FLOOR = 0.1
+
+
+def forward(q, k, v, **mask):
+    with torch.no_grad():
+        return e_fused.forward(q, k, v, **mask)
+
+
+def check_backward(q, k, v, do, record, g, **mask):
+    o, lse = forward(q, k, v, **mask)
+    dk_out, dv_out = poison_(torch.empty_like(k)), poison_(torch.empty_like(k))
+    dq, dk, dv = stage.backward(q, k, v, o, lse, do, dk_out=dk_out, dv_out=dv_out, **mask)
+    torch.cuda.synchronize()
+    assert dk is dk_out and dv is dv_out
+    ref = reference.attention_backward(q, k, v, do, **mask)
+    tol = GRAD_REL[q.dtype]
+    case = dict(dtype=str(q.dtype), shape=list(q.shape), seqlen_k=k.shape[1], kv_heads=k.shape[2],
+                **{n: (list(x) if isinstance(x, tuple) else x) for n, x in mask.items()})
+    for name, out, r in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record(e, grad=name, **case)
+        assert e.within(tol, 4 * tol), f"{name} {case}: {e} (seed {g.initial_seed()})"
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("shape", [(2, 300, 1000, 4, 2), (1, 129, 127, 2, 2), (2, 1, 777, 4, 1),
+                                   (1, 2047, 300, 8, 1), (1, 64, 128, 1, 1)],
+                         ids=["gqa", "mha_tails", "one_query", "mqa_long_q", "one_tile"])
+def test_gradients(arch, dtype, head_dim, shape, record_errors):
+    b, sq, sk, h, hk = shape
+    q, k, v, g = attention_inputs(b, sq, sk, h, hk, head_dim, dtype)
+    do = random_bshd(b, sq, h, head_dim, dtype, q.device, generator=g)
+    check_backward(q, k, v, do, record_errors, g)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(127, 0)), dict(window_size=(50, 30)),
+                                  dict(window_size=(None, 5)), dict(window_size=(0, None))],
+                         ids=["causal", "window_127_0", "window_50_30", "right_5", "left_0"])
+@pytest.mark.parametrize("lengths", [(700, 300), (300, 700), (513, 513)], ids=["sq_gt_sk", "sq_lt_sk", "square"])
+def test_masks(arch, head_dim, mask, lengths, record_errors):
+    """sq > sk leaves the first rows with no visible key under causal: their gradient must be 0."""
+    sq, sk = lengths
+    q, k, v, g = attention_inputs(2, sq, sk, 4, 2, head_dim, torch.bfloat16)
+    do = random_bshd(2, sq, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    dq, _, _ = check_backward(q, k, v, do, record_errors, g, **mask)
+    if mask.get("causal") and sq > sk:
+        assert bool((dq[:, : sq - sk] == 0).all()), "rows with no visible key must get dQ = 0"
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+def test_large_scores_and_do_outliers(arch, head_dim, record_errors):
+    q, k, v, g = attention_inputs(2, 400, 600, 4, 1, head_dim, torch.bfloat16, magnitude=3.0)
+    do = random_bshd(2, 400, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    do[0, 17, 1] *= 100.0
+    do[1, -1, 3, :8] = 500.0
+    check_backward(q, k, v, do, record_errors, g, causal=True)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_autograd_through_attention(arch, head_dim, causal, record_errors):
+    """``attention`` with q, k, v requiring grad: loss.backward() reaches all three (K = V: one
+    tensor, its two gradients added), and equals the reference's gradients."""
+    q, k, v, g = attention_inputs(2, 333, 555, 4, 2, head_dim, torch.bfloat16)
+    do = random_bshd(2, 333, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    for kv_shared in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        qq, kk, vv = leaves
+        o, lse = attention(qq, kk, kk if kv_shared else vv, causal=causal)
+        assert o.grad_fn is not None and not lse.requires_grad
+        (o.float() * do.float()).sum().backward()
+        ref = reference.attention_backward(q, k, k if kv_shared else v, do, causal=causal)
+        grads = {"dq": (qq.grad, ref[0]), "dk": (kk.grad, ref[1] + ref[2] if kv_shared else ref[1])}
+        if not kv_shared:
+            grads["dv"] = (vv.grad, ref[2])
+        else:
+            assert vv.grad is None
+        for name, (out, r) in grads.items():
+            e = errors(out, r, row_floor=ROW_FLOOR)
+            record_errors(e, grad=name, kv_shared=kv_shared, causal=causal, head_dim=head_dim)
+            assert e.within(2e-2, 8e-2), f"{name} kv_shared={kv_shared}: {e} (seed {g.initial_seed()})"
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_dk_dv_bitwise_repeatable(arch):
+    """dK and dV are summed in one CTA in a fixed order: bitwise equal across runs. dQ is summed
+    across CTAs by atomics; its order varies, so only its error is bounded."""
+    q, k, v, g = attention_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
+    do = random_bshd(2, 1000, 8, 128, torch.bfloat16, q.device, generator=g)
+    o, lse = forward(q, k, v, causal=True)
+    first = stage.backward(q, k, v, o, lse, do, causal=True)
+    for _ in range(3):
+        again = stage.backward(q, k, v, o, lse, do, causal=True)
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("bad", ["dtype", "head_dim", "lse_shape", "do_shape", "stride"])
+def test_bad_input_is_named(arch, bad):
+    q, k, v, g = attention_inputs(1, 100, 100, 2, 1, 128, torch.bfloat16)
+    o, lse = forward(q, k, v)
+    do = torch.randn_like(q)
+    args = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
+    if bad == "dtype":
+        args["do"] = do.float()
+    elif bad == "head_dim":
+        args.update(q=q[..., :96], o=o[..., :96], do=do[..., :96], k=k[..., :96], v=v[..., :96])
+    elif bad == "lse_shape":
+        args["lse"] = lse[:, :, :50]
+    elif bad == "do_shape":
+        args["do"] = do[:, :50]
+    else:
+        args["k"] = torch.randn(1, 100, 1, 130, dtype=torch.bfloat16, device=q.device)[..., :128]
+    with pytest.raises(ValueError):
+        stage.backward(**args)
+
+
+SANITIZED = """
+import torch
+from dsv4_attention.common.testing import attention_inputs, random_bshd
+from dsv4_attention.stages import e_fused, f_backward
+q, k, v, g = attention_inputs(1, 200, 300, 4, 2, 128, torch.bfloat16)
+do = random_bshd(1, 200, 4, 128, torch.bfloat16, q.device, generator=g)
+with torch.no_grad():
+    o, lse = e_fused.forward(q, k, v, causal=True)
+f_backward.backward(q, k, v, o, lse, do, causal=True)
+"""
+
+test_compute_sanitizer = sanitizer_test(SANITIZED)
