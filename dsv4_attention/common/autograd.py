@@ -78,10 +78,10 @@ class _DenseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        from dsv4_attention.stages.f_backward import backward
+        from dsv4_attention import stages  # the registry: a call-time lookup, not an import of the kernel
 
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o, lse, do.contiguous(), **ctx.options)
+        dq, dk, dv = stages.get("f").module.backward(q, k, v, o, lse, do.contiguous(), **ctx.options)
         return dq, dk, dv, None, None, None, None
 
 
@@ -89,9 +89,9 @@ def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward):
     """``run_forward()`` (the forward kernel's (o, lse) for q, k, v) made differentiable in q, k, v;
     raises :class:`NotDifferentiableError` before any launch where stage F cannot serve the inputs.
     v may be k (K = V): autograd adds its two gradients."""
-    from dsv4_attention.stages.f_backward import serves
+    from dsv4_attention import stages
 
-    why = serves(q, k, v)
+    why = stages.get("f").module.serves(q, k, v)
     if why is not None:
         raise NotDifferentiableError(f"attention cannot be differentiated here: {why}. Call it under torch.no_grad() "
                                      f"or with detached inputs (docs/training.md)")

@@ -70,6 +70,21 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, head_dim_v=None)
     return 2 * batch * heads * seqlen_q * seqlen_k * (head_dim + dv)
 
 
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(None, None)) -> int:
+    """Visible (query, key) pairs of one head, bottom-right aligned (the FLOP counts over the
+    visible keys, forward and backward), host Python."""
+    from dsv4_attention.common.validation import check_window
+
+    left, right = check_window(causal, window_size)
+    total = 0
+    for i in range(seqlen_q):
+        ip = i + seqlen_k - seqlen_q
+        lo = 0 if left is None else max(0, ip - left)
+        hi = seqlen_k if right is None else min(seqlen_k, ip + right + 1)
+        total += max(0, hi - lo)
+    return total
+
+
 # ---- peers -------------------------------------------------------------------------------
 
 def peer_matmul_qk(q, k):

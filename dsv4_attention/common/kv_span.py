@@ -230,3 +230,4 @@ class KvSpan(DslState):
         if tile_needs_mask_at(self.first_key(n), self.p_lo, self.p_hi, self.seqlen_k, self.tile_n, self.left,
                               self.right, self.has_left, self.has_right):
             self.mask(acc, tScS, n, first_row)
+

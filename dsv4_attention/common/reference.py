@@ -161,7 +161,7 @@ def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
 
 
 def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causal: bool = False,
-                       window_size=(None, None)):
+                       window_size=(None, None), o=None):
     """Gradients of ``attention`` (no sink, no seqused_k) in float64, written out rather than
     autograd's, so that a row with no visible key is exact (its P is 0: no gradient, no NaN):
 
@@ -169,11 +169,16 @@ def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causa
         dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q
 
     with a KV head's gradient summed over its query heads. Returns (dq, dk, dv) float64 in the
-    inputs' shapes; where v is k the caller adds dk and dv. tests/test_f_cpu.py checks it against
-    torch.autograd on the forward reference, and that reference by finite differences."""
+    inputs' shapes; where v is k the caller adds dk and dv. ``o``: take D from this output (the
+    forward kernel's, rounded to 16 bits) instead of the exact one, as every FlashAttention-style
+    backward does: where a row's softmax is nearly one-hot, dP - D cancels and O's rounding decides
+    that row's dQ; a kernel is judged row by row against the gradient of the O it was given.
+    tests/test_f_cpu.py checks it against torch.autograd on the forward reference, and that
+    reference by finite differences."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     h, hk = q.shape[2], k.shape[2]
-    o, lse = attention(q, k, v, scale, causal=causal, window_size=window_size)
+    o_exact, lse = attention(q, k, v, scale, causal=causal, window_size=window_size)
+    o = o_exact if o is None else o.to(torch.float64)
     s = qk_scores(q, k, scale)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # hidden keys: exp(-inf) = 0; empty rows: NaN -> 0
     left, right = window_size

@@ -41,9 +41,9 @@ class Errors:
 
 def errors(out: torch.Tensor, ref: torch.Tensor, row_floor: float = 0.0) -> Errors:
     """Errors of ``out`` against ``ref`` (any shape; rows are the last dim). ``row_floor``: a row's
-    relative error is taken against at least that fraction of the median row norm (gradients,
-    whose rows can vanish exactly: a query that sees one key has dQ = 0, computed as rounding
-    noise)."""
+    relative error is taken against at least that fraction of the root-mean-square row norm
+    (gradients, whose rows can vanish exactly: a query that sees one key has dQ = 0, computed as
+    rounding noise)."""
     if out.shape != ref.shape:
         raise AssertionError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     o = out.detach().to(torch.float64)
@@ -55,7 +55,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor, row_floor: float = 0.0) -> Erro
     rel = (diff.norm() / r.norm().clamp_min(1e-300)).item()
     row_num = diff.flatten(0, -2).norm(dim=-1)
     row_den = r.flatten(0, -2).norm(dim=-1)
-    row_den = row_den.clamp_min(max(row_floor * row_den.median().item(), 1e-300))
+    row_den = row_den.clamp_min(max(row_floor * row_den.square().mean().sqrt().item(), 1e-300))
     row_err = row_num / row_den
     worst = int(row_err.argmax())
     worst_idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape[:-1]))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_attention.common import interface, jit
+from dsv4_attention.common.bench import visible_pairs
 from dsv4_attention.common.validation import check_window
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 
@@ -56,16 +57,6 @@ def forward(q, k, v, *, softmax_scale: float | None = None, causal: bool = False
                                               max_seqlen_k=max_seqlen_k)
 
 
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(None, None)) -> int:
-    """Visible (query, key) pairs of one head (for FLOP counts over the visible keys)."""
-    left, right = check_window(causal, window_size)
-    total = 0
-    for i in range(seqlen_q):
-        ip = i + seqlen_k - seqlen_q
-        lo = 0 if left is None else max(0, ip - left)
-        hi = seqlen_k if right is None else min(seqlen_k, ip + right + 1)
-        total += max(0, hi - lo)
-    return total
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None)) -> int:

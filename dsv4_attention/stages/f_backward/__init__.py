@@ -18,6 +18,7 @@ import torch
 
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
+from dsv4_attention.common.bench import visible_pairs
 from dsv4_attention.common.validation import check_out, check_qkv, check_scale, check_window
 
 ID = "f"
@@ -105,8 +106,6 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None)) -> int:
     """FlashAttention's count for a backward: 2.5 times the forward's (five GEMMs of the forward's
     two's size), over the visible (query, key) pairs."""
-    from dsv4_attention.stages.d4_causal_window import visible_pairs
-
     return 10 * batch * heads * visible_pairs(seqlen_q, seqlen_k, causal, window_size) * head_dim
 
 
