@@ -43,7 +43,7 @@ def forward(q, k, v, **mask):
         return e_fused.forward(q, k, v, **mask)
 
 
-def check_backward(q, k, v, do, record, g, **mask):
+def check_backward(q, k, v, do, record, g, exact_rel=None, **mask):
     o, lse = forward(q, k, v, **mask)
     dk_out, dv_out = poison_(torch.empty_like(k)), poison_(torch.empty_like(k))
     dq, dk, dv = stage.backward(q, k, v, o, lse, do, dk_out=dk_out, dv_out=dv_out, **mask)
@@ -59,7 +59,7 @@ def check_backward(q, k, v, do, record, g, **mask):
         rows = errors(out, given_o[i], row_floor=ROW_FLOOR)  # row by row, D from the forward's O
         record(whole, grad=name, row_rel_given_o=rows.row_rel, **case)
         msg = f"{name} {case}: exact {whole}; rows, D from the kernel's O: {rows} (seed {g.initial_seed()})"
-        assert whole.rel_fro <= tol and rows.within(tol, 4 * tol), msg
+        assert whole.rel_fro <= (exact_rel or tol) and rows.within(tol, 4 * tol), msg
     return dq, dk, dv
 
 
@@ -99,7 +99,11 @@ def test_large_scores_and_do_outliers(arch, head_dim, record_errors):
     do = random_bshd(2, 400, 4, head_dim, torch.bfloat16, q.device, generator=g)
     do[0, 17, 1] *= 100.0
     do[1, -1, 3, :8] = 500.0
-    check_backward(q, k, v, do, record_errors, g, causal=True)
+    # against the exact gradient, O's rounding to bf16 times dO's 500x outliers on nearly one-hot
+    # rows is most of the error (2.0e-2 measured at hd 128; against the gradient of the O the
+    # kernel was given, 2.4e-3 and rows 4.1e-3): the exact bound is 5e-2 here, the row bound is not
+    # relaxed
+    check_backward(q, k, v, do, record_errors, g, exact_rel=5e-2, causal=True)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
