@@ -201,6 +201,16 @@ def main(argv=None) -> int:
     if present_arch() is None:
         print(f"gpu_report needs a Hopper or Blackwell GPU; this machine has {gpu_name() or 'none'}")
         return 2
+    if a.tests != "none" and not os.environ.get("GPU_REPORT_SKIP_STATUS_CHECK"):
+        # pre-flight: the session's harness tests check the rendered status page; a page rendered
+        # after the run (twice, on 2026-11-27 and 2026-11-28) fails the session and leaves every
+        # stage it ran unproven. Refuse before any test runs.
+        from tools import status
+
+        if not status.render(write=False):
+            print("gpu_report: README.md / docs/status.md differ from a fresh render: run `python -m tools.status "
+                  "render` and commit before the device session (its test_rendered_status_is_current would fail)")
+            return 2
 
     import cutlass
     import torch
@@ -209,7 +219,7 @@ def main(argv=None) -> int:
     from dsv4_attention.common import bench
     from tools import bench as bench_tool
 
-    every = [s.id for s in stage_registry.STAGES]
+    every = [s.id for s in stage_registry.ALL_STAGES]
     # "calls" (host time per call, first call in a fresh process) and "decode" (the fused kernel's
     # decode, replayed from CUDA graphs) are benches of no stage
     stage_ids = [s for s in (a.stage or every) if s not in ("calls", "decode", "cp")]
