@@ -1,8 +1,7 @@
 """Stage F compiles for sm_90a within the budgets every kernel keeps (common/compile.py): under
 30 s with the file cache off, SMEM within the limit, a setmaxnreg split the launch holds, no
-serialized wgmma. Spills: none at head dim 64; at 128 ptxas spills 12-24 bytes at the consumers'
-240 registers (dK and dV accumulators 128, S^T and dP^T 64, the column statistics 32): allowed
-here up to 32 bytes and measured, the next step of issue 44 removes them. No sm100 kernel yet:
+serialized wgmma, no spills (with dQ added by red.global.add per element, hd 128 spilled 12-24
+bytes: the address arithmetic; the dQ warp's TMA reduction removed it). No sm100 kernel yet:
 the backward refuses Blackwell tensors (stages/f_backward/__init__.py)."""
 
 import pytest
@@ -12,7 +11,6 @@ from dsv4_attention.stages import f_backward as stage
 
 pytestmark = [pytest.mark.stage_f]
 
-SPILL_BYTES = {64: 0, 128: 32}
 
 
 @pytest.mark.compile
@@ -20,4 +18,4 @@ SPILL_BYTES = {64: 0, 128: 32}
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 @pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True}], ids=["dense", "window"])
 def test_compiles_within_budget(dtype, head_dim, options):
-    assert_within_budget(stage.ID, "sm90", dtype, head_dim, options=options, max_spill_bytes=SPILL_BYTES[head_dim])
+    assert_within_budget(stage.ID, "sm90", dtype, head_dim, options=options)

@@ -53,6 +53,10 @@ class Sm90BwdBarrier(enum.IntEnum):
     # store's arrive phase and hang the CTA
     EPILOGUE_DK = 3
     EPILOGUE_DV = 4
+    # the dQ warp (producer warpgroup, warp 1) and the consumers: dQ's partial sum is in sdQ
+    # (consumers arrive, the dQ warp syncs), and sdQ is free again (the other way round)
+    DQ_FULL = 5
+    DQ_EMPTY = 6
 
 
 @dsl_user_op

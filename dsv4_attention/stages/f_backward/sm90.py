@@ -15,10 +15,12 @@ Work decomposition
             every (query head of the KV head's group, Q tile) that sees one of its keys
             (``span.q_tile_range``), so dK and dV are complete when the CTA ends: GQA's sum over
             the group happens in the CTA, with no atomics and in a fixed order. dQ gets one partial
-            sum per KV tile: each CTA adds scale * dS K into an fp32 accumulator (red.global.add;
-            the host rounds it to q's dtype).
+            sum per KV tile: the consumers write scale * dS K to SMEM and the dQ warp adds it into an
+            fp32 accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add; the host
+            rounds the accumulator to q's dtype).
     block = 128 x 3 threads:
-            warpgroup 0      producer (setmaxnreg 24): warp 0 issues every TMA load.
+            warpgroup 0      producer (setmaxnreg 24): warp 0 issues every TMA load; warp 1, the
+                             dQ warp, issues the TMA reductions of dQ.
             warpgroups 1, 2  consumers (240): warpgroup w owns keys [64 w, 64 w + 64) of the tile
                              for S^T, dP^T, dV, dK, and dQ's columns [d/2 w, d/2 (w + 1)).
 
@@ -38,6 +40,10 @@ Pipelines and barriers
                 after the visit's last wgmma that read them (dK reads Q, dV reads dO).
     DS_READY    named barrier (256 consumer threads): both warpgroups' dS^T rows are in sdS.
     DS_FREE     both warpgroups' dQ wgmmas have read sdS: the next visit may overwrite it.
+    DQ_FULL, DQ_EMPTY   (256 consumer threads + the dQ warp) the visit's dQ is in sdQ (consumers
+                arrive, the dQ warp syncs, then reduces it into global memory and waits for the
+                reduction's SMEM reads); sdQ is free again (the dQ warp arrives, the consumers sync
+                before they write it).
     EPILOGUE_DK, EPILOGUE_DV   sK / sV may be overwritten by dK / dV, then the TMA stores read them
                 (common/sm90_epilogue.store_o); one id each: store_o ends with an arrive phase, which
                 a second store's sync on the same id would join, and hang.
@@ -50,7 +56,7 @@ Consumer warpgroup, per visit (Q tile m of head h)
     wait dP^T; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
     issue dK += dS^T Q                                     (RS; Q read MN-major)
     DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); wait all; release Q, dO
-    red.global.add(dQacc, scale dQ); DS_FREE
+    DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into dQacc); DS_FREE
     end: dK *= scale; dK, dV -> SMEM -> TMA stores (rows past seqlen_k clipped).
 
 Layouts (consumer warpgroup w, warp w' in it, lane l)
@@ -59,6 +65,7 @@ Layouts (consumer warpgroup w, warp w' in it, lane l)
     sK, sV      (tile_n, d, 1) K-major SW128; sKt (d, tile_n, 1): the B of dQ.
     sdS         (tile_n, tile_m, 1) K-major SW128 (written from the S^T partition); sdSt the
                 same bytes as (tile_m, tile_n, 1) MN-major: the A of dQ.
+    sdQ         (tile_m, d, 1) fp32, d contiguous, unswizzled: the TMA reduction's box.
     S^T, dP^T   ((2,2,tile_m/8),1,1): value (c, r, n) = S^T[64 w + 16 w' + l/4 + 8 r,
                 8 n + 2 (l%4) + c]: queries 8 n + 2 (l%4) + c, independent of r, so the column
                 statistics are tile_m / 4 values a thread, stat (c, n) for value (c, r, n).
@@ -145,6 +152,7 @@ class FlashAttentionBackwardSm90:
         self.num_wg = NUM_WG
         self.consumer_regs, self.producer_regs = CONSUMER_REGS, PRODUCER_REGS
         self.consumer_threads = NUM_WG * THREADS_PER_WARPGROUP
+        self.dq_threads = self.consumer_threads + 32  # the consumers and the dQ warp
         self.shared_storage = None
 
     def register_plan(self) -> list:
@@ -194,6 +202,10 @@ class FlashAttentionBackwardSm90:
         tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, tn, d)
         tma_atom_dk, tma_dk = make_tma_tile_atom(store, mdK, sKV_layout, tn, d)
         tma_atom_dv, tma_dv = make_tma_tile_atom(store, mdV, sKV_layout, tn, d)
+        # dQ's partial sums: (tile_m, d) fp32, d contiguous, two buffers; one TMA reduce-add a visit
+        sdQ_layout = cute.make_layout((tm, d, 1), stride=(d, 1, tm * d))
+        tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.slice_(sdQ_layout, (None, None, 0)), (tm, d))
 
         @cute.struct
         class SharedStorage:
@@ -205,6 +217,7 @@ class FlashAttentionBackwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
 
@@ -212,9 +225,9 @@ class FlashAttentionBackwardSm90:
         self.kernel(
             sdp_mma, dkv_mma, dq_mma,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            mLSE2, mD, mdQacc, scale_log2, scale, left, right, seqlen_q, seqlen_k,
-            sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout,
+            tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, tma_atom_dq, tma_dq,
+            mLSE2, mD, scale_log2, scale, left, right, seqlen_q, seqlen_k,
+            sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout, sdQ_layout,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -240,9 +253,10 @@ class FlashAttentionBackwardSm90:
         mdK: cute.Tensor,
         tma_atom_dv: cute.CopyAtom,
         mdV: cute.Tensor,
+        tma_atom_dq: cute.CopyAtom,
+        mdQacc: cute.Tensor,  # TMA coordinates of the fp32 accumulator, (rows, d, heads, batch)
         mLSE2: cute.Tensor,
         mD: cute.Tensor,
-        mdQacc: cute.Tensor,  # (rows, d, heads, batch) fp32
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -255,13 +269,14 @@ class FlashAttentionBackwardSm90:
         sKVt_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sdSt_layout: cute.ComposedLayout,
+        sdQ_layout: cute.Layout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head_kv, batch = cute.arch.block_idx()
         group = mQ.shape[2] // mK.shape[2]
 
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dk, tma_atom_dv):
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dk, tma_atom_dv, tma_atom_dq):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -291,6 +306,7 @@ class FlashAttentionBackwardSm90:
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         m_lo, m_hi = q_tile_range(n_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left, right,
                                   self.has_left, self.has_right)
@@ -302,12 +318,14 @@ class FlashAttentionBackwardSm90:
             if warp_idx == 0:
                 self.load(kv_bar, pipeline_q, pipeline_do, n_block, head_kv, batch, group, m_lo, m_count, visits,
                           tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV)
+            if warp_idx == 1:
+                self.store_dq(tma_atom_dq, mdQacc, sdQ, head_kv, batch, group, m_lo, m_count, visits)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 sdp_mma, dkv_mma, dq_mma, kv_bar, pipeline_q, pipeline_do,
-                sQ, sQt, sdO, sdOt, sK, sKt, sV, sdS, sdSt,
-                tma_atom_dk, mdK, tma_atom_dv, mdV, mLSE2, mD, mdQacc,
+                sQ, sQt, sdO, sdOt, sK, sKt, sV, sdS, sdSt, sdQ,
+                tma_atom_dk, mdK, tma_atom_dv, mdV, tma_atom_dq, mdQacc, mLSE2, mD,
                 scale_log2, scale, left, right, seqlen_q, seqlen_k,
                 n_block, head_kv, batch, group, m_lo, m_count, visits,
             )
@@ -361,6 +379,38 @@ class FlashAttentionBackwardSm90:
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
             state.advance()
 
+    @cute.jit
+    def store_dq(
+        self,
+        tma_atom_dq: cute.CopyAtom,
+        mdQacc: cute.Tensor,
+        sdQ: cute.Tensor,
+        head_kv: cutlass.Int32,
+        batch: cutlass.Int32,
+        group: cutlass.Int32,
+        m_lo: cutlass.Int32,
+        m_count: cutlass.Int32,
+        visits: cutlass.Int32,
+    ):
+        """Warp 1: each visit's dQ partial sum, once the consumers have written it to sdQ, added
+        into the fp32 accumulator by one TMA reduction; sdQ handed back once the reduction has read
+        it (DQ_EMPTY: one arrival up front, then one per visit but the last, so that every arrival
+        meets a consumer's sync)."""
+        if visits > 0:
+            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
+        for it in cutlass.range(visits, unroll=1):
+            head = head_kv * group + it // m_count
+            m_block = m_lo + it % m_count
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            tQsdQ, tQgdQ = tile_tma_partition(tma_atom_dq, sdQ, gdQ)
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
+            with cute.arch.elect_one():
+                cute.copy(tma_atom_dq, tQsdQ[None, 0], tQgdQ[None, m_block])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if it + 1 < visits:
+                cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
+
     # -------------------------------------------------------------------------------
     # Consumers: warpgroups 1, 2
     # -------------------------------------------------------------------------------
@@ -376,8 +426,9 @@ class FlashAttentionBackwardSm90:
         pipeline_do: pipeline.PipelineTmaAsync,
         sQ: cute.Tensor, sQt: cute.Tensor, sdO: cute.Tensor, sdOt: cute.Tensor,
         sK: cute.Tensor, sKt: cute.Tensor, sV: cute.Tensor, sdS: cute.Tensor, sdSt: cute.Tensor,
+        sdQ: cute.Tensor,
         tma_atom_dk: cute.CopyAtom, mdK: cute.Tensor, tma_atom_dv: cute.CopyAtom, mdV: cute.Tensor,
-        mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+        tma_atom_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -421,7 +472,7 @@ class FlashAttentionBackwardSm90:
         tKrdS = as_a_operand(r_ds)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))  # (key, query) of each value
         tSsdS = thr_sdp.partition_C(sdS[None, None, 0])  # where this thread's dS^T values go
-        tQcQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))  # (query, column) of each dQ value
+        leader = tidx // 32 == 0  # the warp that issues the dK / dV stores
         n_stats = cute.size(acc_s) // 2
         lse = cute.make_rmem_tensor(n_stats, cutlass.Float32)
         dsum = cute.make_rmem_tensor(n_stats, cutlass.Float32)
@@ -470,11 +521,16 @@ class FlashAttentionBackwardSm90:
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
-            # dQ's partial sum over this KV tile; padded rows land in the accumulator's padding
+            # dQ's partial sum over this KV tile -> sdQ[it % 2] -> one TMA reduce-add into the fp32
+            # accumulator (padded rows land in its padding). The buffer was last read by the reduction
+            # of visit it - 2, which the leader waited for before this visit's DS_READY.
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
-                row, col = q0 + tQcQ[i][0], tQcQ[i][1]
-                cute.arch.red(mdQacc[row, None, head, batch].iterator + col, acc_dq[i] * scale, op="add", sem="relaxed",
-                              scope="gpu", dtype=cutlass.Float32)
+                acc_dq[i] = acc_dq[i] * scale
+            # sdQ is free once the dQ warp's reduction of the previous visit has read it
+            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
+            cute.autovec_copy(acc_dq, thr_dq.partition_C(sdQ[None, None, 0]))
+            cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the TMA unit's reads
+            cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_FREE), number_of_threads=self.consumer_threads)
 
         # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V) -> TMA -------------------
@@ -482,7 +538,6 @@ class FlashAttentionBackwardSm90:
             acc_dk[i] = acc_dk[i] * scale
         gdK = cute.local_tile(mdK[None, None, head_kv, batch], (tn, d), (None, 0))
         gdV = cute.local_tile(mdV[None, None, head_kv, batch], (tn, d), (None, 0))
-        leader = tidx // 32 == 0
         store_o(acc_dk, sK, thr_dkv, tma_atom_dk, gdK, n_block, int(Sm90BwdBarrier.EPILOGUE_DK),
                 self.consumer_threads, leader)
         store_o(acc_dv, sV, thr_dkv, tma_atom_dv, gdV, n_block, int(Sm90BwdBarrier.EPILOGUE_DV),
