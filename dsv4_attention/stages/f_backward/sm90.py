@@ -28,15 +28,17 @@ Why the scores are transposed (FlashAttention-3's SdP_swapAB): the consumers com
 S^T = K Q^T, whose rows are keys. Then P^T and dS^T, rounded to 16 bits in registers, are the
 A operands of dV = P^T dO and dK = dS^T Q as they stand (common/p_staging.py's relabelling, the
 forward's P trick), and each thread's row statistics become column statistics: the LSE and D of
-the queries its values hold (16 of each at tile_m = 64), read from global memory before the
-S^T wgmma completes. dQ = dS K needs dS with queries as rows: the warpgroups write dS^T into
-SMEM once, and the dQ wgmma reads it MN-major (the same bytes, transposed; the proof is in
+the queries its values hold (16 of each at tile_m = 64), which the producer loads by TMA with Q
+(LSE) and dO (D) into the same pipeline slot, and the consumers read from SMEM when they need
+them. dQ = dS K needs dS with queries as rows: the warpgroups write dS^T into SMEM once, and
+the dQ wgmma reads it MN-major (the same bytes, transposed; the proof is in
 tests/test_f_sm90_host.py).
 
 Pipelines and barriers
     kv_bar      mbarrier, one phase: K and V of the tile (TMA); consumers wait before the first GEMM.
-    pipeline_q, pipeline_do   PipelineTmaAsync, ``stages`` slots each: the producer loads Q and
-                dO of the visit's (head, Q tile) into the same slot index; consumers release both
+    pipeline_q, pipeline_do   PipelineTmaAsync, ``stages`` slots each: the producer loads Q with its
+                LSE2 and dO with its D (tile_m fp32 each, a 1-D TMA box) of the visit's (head, Q tile)
+                into the same slot index; consumers release both
                 after the visit's last wgmma that read them (dK reads Q, dV reads dO).
     DS_READY    named barrier (256 consumer threads): both warpgroups' dS^T rows are in sdS.
     DS_FREE     both warpgroups' dQ wgmmas have read sdS: the next visit may overwrite it.
@@ -49,11 +51,11 @@ Pipelines and barriers
                 a second store's sync on the same id would join, and hang.
 
 Consumer warpgroup, per visit (Q tile m of head h)
-    LSE2, D of the tile's queries -> registers (global loads; padded rows: LSE2 = +inf, D = 0)
     issue S^T = K Q^T, dP^T = V dO^T                       (two wgmma groups)
-    wait S^T; P^T = exp2(S^T scale log2 e - LSE2), 0 where hidden; P^T -> 16 bits
+    wait S^T; LSE2 from the slot; P^T = exp2(S^T scale log2 e - LSE2), 0 where hidden; -> 16 bits
     issue dV += P^T dO                                     (RS; dO read MN-major)
-    wait dP^T; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
+    wait dP^T; D from the slot; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
+    (padded rows: LSE2 = +inf, D = 0, so P = dS = 0 there)
     issue dK += dS^T Q                                     (RS; Q read MN-major)
     DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); wait all; release Q, dO
     DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into dQacc); DS_FREE
@@ -80,7 +82,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
-from dsv4_attention.common.layouts import seq_major
+from dsv4_attention.common.layouts import reorder, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.sm90_barriers import Sm90BwdBarrier
 from dsv4_attention.common.sm90_epilogue import store_o
@@ -184,6 +186,7 @@ class FlashAttentionBackwardSm90:
                 raise TypeError(f"{name} must be Float32, got {t.element_type}")
         seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
         mQ, mK, mV, mdO, mdK, mdV, mdQacc = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+        mLSE2, mD = [reorder(t, (2, 1, 0)) for t in (mLSE2, mD)]  # (rows, heads, batch)
 
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         sdp_mma = make_tiled_mma(self.dtype, tm, warpgroups=self.num_wg)  # S^T, dP^T: M = keys, N = queries
@@ -202,7 +205,11 @@ class FlashAttentionBackwardSm90:
         tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, tn, d)
         tma_atom_dk, tma_dk = make_tma_tile_atom(store, mdK, sKV_layout, tn, d)
         tma_atom_dv, tma_dv = make_tma_tile_atom(store, mdV, sKV_layout, tn, d)
-        # dQ's partial sums: (tile_m, d) fp32, d contiguous, two buffers; one TMA reduce-add a visit
+        # a visit's LSE2 and D: tile_m fp32 each, one slot per Q / dO stage, by TMA with Q / dO
+        sStat_layout = cute.make_layout((tm, self.stages))
+        tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSE2, cute.make_layout(tm), (tm,))
+        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(load, mD, cute.make_layout(tm), (tm,))
+        # dQ's partial sums: (tile_m, d) fp32, d contiguous; one TMA reduce-add a visit
         sdQ_layout = cute.make_layout((tm, d, 1), stride=(d, 1, tm * d))
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.slice_(sdQ_layout, (None, None, 0)), (tm, d))
@@ -218,6 +225,8 @@ class FlashAttentionBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sdQ_layout)], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 128]
 
         self.shared_storage = SharedStorage
 
@@ -226,8 +235,8 @@ class FlashAttentionBackwardSm90:
             sdp_mma, dkv_mma, dq_mma,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, tma_atom_dq, tma_dq,
-            mLSE2, mD, scale_log2, scale, left, right, seqlen_q, seqlen_k,
-            sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout, sdQ_layout,
+            tma_atom_lse, tma_lse, tma_atom_d, tma_d, scale_log2, scale, left, right, seqlen_q, seqlen_k,
+            sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout, sdQ_layout, sStat_layout,
         ).launch(
             grid=grid,
             block=[THREADS_PER_WARPGROUP * (1 + self.num_wg), 1, 1],
@@ -255,7 +264,9 @@ class FlashAttentionBackwardSm90:
         mdV: cute.Tensor,
         tma_atom_dq: cute.CopyAtom,
         mdQacc: cute.Tensor,  # TMA coordinates of the fp32 accumulator, (rows, d, heads, batch)
-        mLSE2: cute.Tensor,
+        tma_atom_lse: cute.CopyAtom,
+        mLSE2: cute.Tensor,  # TMA coordinates, (rows, heads, batch)
+        tma_atom_d: cute.CopyAtom,
         mD: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
@@ -270,13 +281,15 @@ class FlashAttentionBackwardSm90:
         sdS_layout: cute.ComposedLayout,
         sdSt_layout: cute.ComposedLayout,
         sdQ_layout: cute.Layout,
+        sStat_layout: cute.Layout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head_kv, batch = cute.arch.block_idx()
         group = mQ.shape[2] // mK.shape[2]
 
         if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dk, tma_atom_dv, tma_atom_dq):
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dk, tma_atom_dv, tma_atom_dq,
+                         tma_atom_lse, tma_atom_d):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -284,7 +297,8 @@ class FlashAttentionBackwardSm90:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_bar, 1)
-        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8
+        # Q (resp. dO) and its statistic land on one barrier
+        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8 + self.tile_m * 4
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
         pipeline_q, pipeline_do = [
@@ -307,6 +321,8 @@ class FlashAttentionBackwardSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sD = storage.sD.get_tensor(sStat_layout)
 
         m_lo, m_hi = q_tile_range(n_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left, right,
                                   self.has_left, self.has_right)
@@ -317,7 +333,8 @@ class FlashAttentionBackwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(kv_bar, pipeline_q, pipeline_do, n_block, head_kv, batch, group, m_lo, m_count, visits,
-                          tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV)
+                          tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV,
+                          tma_atom_lse, mLSE2, sLSE, tma_atom_d, mD, sD)
             if warp_idx == 1:
                 self.store_dq(tma_atom_dq, mdQacc, sdQ, head_kv, batch, group, m_lo, m_count, visits)
         else:
@@ -325,7 +342,7 @@ class FlashAttentionBackwardSm90:
             self.consume(
                 sdp_mma, dkv_mma, dq_mma, kv_bar, pipeline_q, pipeline_do,
                 sQ, sQt, sdO, sdOt, sK, sKt, sV, sdS, sdSt, sdQ,
-                tma_atom_dk, mdK, tma_atom_dv, mdV, tma_atom_dq, mdQacc, mLSE2, mD,
+                tma_atom_dk, mdK, tma_atom_dv, mdV, sLSE, sD,
                 scale_log2, scale, left, right, seqlen_q, seqlen_k,
                 n_block, head_kv, batch, group, m_lo, m_count, visits,
             )
@@ -351,8 +368,11 @@ class FlashAttentionBackwardSm90:
         tma_atom_do: cute.CopyAtom, mdO: cute.Tensor, sdO: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor, sK: cute.Tensor,
         tma_atom_v: cute.CopyAtom, mV: cute.Tensor, sV: cute.Tensor,
+        tma_atom_lse: cute.CopyAtom, mLSE2: cute.Tensor, sLSE: cute.Tensor,
+        tma_atom_d: cute.CopyAtom, mD: cute.Tensor, sD: cute.Tensor,
     ):
-        """K, V of the tile once (kv_bar), then Q and dO of each visit, head-major."""
+        """K, V of the tile once (kv_bar), then Q with its LSE2 and dO with its D for each visit,
+        head-major."""
         d = self.head_dim
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
@@ -371,11 +391,21 @@ class FlashAttentionBackwardSm90:
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
             tOsdO, tOgdO = tile_tma_partition(tma_atom_do, sdO, gdO)
+            gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (None,))
+            gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (None,))
+            tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
+                                               cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 1),
+                                               cute.group_modes(gD, 0, 1))
             pipeline_q.producer_acquire(state)
             cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
             pipeline_do.producer_acquire(state)
             cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, state.index],
+                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            cute.copy(tma_atom_d, tDgD[None, m_block], tDsD[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
             state.advance()
 
@@ -428,7 +458,7 @@ class FlashAttentionBackwardSm90:
         sK: cute.Tensor, sKt: cute.Tensor, sV: cute.Tensor, sdS: cute.Tensor, sdSt: cute.Tensor,
         sdQ: cute.Tensor,
         tma_atom_dk: cute.CopyAtom, mdK: cute.Tensor, tma_atom_dv: cute.CopyAtom, mdV: cute.Tensor,
-        tma_atom_dq: cute.CopyAtom, mdQacc: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+        sLSE: cute.Tensor, sD: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -485,17 +515,14 @@ class FlashAttentionBackwardSm90:
             cute.arch.mbarrier_wait(kv_bar, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for it in cutlass.range(visits, unroll=1):
-            head = head_kv * group + it // m_count
             q0 = (m_lo + it % m_count) * tm
-            for s in cutlass.range_constexpr(n_stats):
-                row = q0 + tScS[stat_value(s)][1]
-                lse[s] = mLSE2[batch, head, row]
-                dsum[s] = mD[batch, head, row]
             pipeline_q.consumer_wait(state)
             gemm(sdp_mma, acc_s, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
             pipeline_do.consumer_wait(state)
             gemm(sdp_mma, acc_dp, tSrV, tSrdO[None, None, None, state.index], zero_init=True)
             warpgroup.wait_group(1)  # S^T complete
+            for s in cutlass.range_constexpr(n_stats):  # the slot's statistics (SMEM: read when needed)
+                lse[s] = sLSE[tScS[stat_value(s)][1], state.index]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 key = key0 + tScS[i][0]
                 pos = q0 + tScS[i][1] + offset
@@ -509,6 +536,8 @@ class FlashAttentionBackwardSm90:
             convert_p_packed(acc_s, r_p)
             gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(1)  # dP^T complete (dV may run)
+            for s in cutlass.range_constexpr(n_stats):
+                dsum[s] = sD[tScS[stat_value(s)][1], state.index]
             for i in cutlass.range_constexpr(cute.size(acc_dp)):
                 acc_dp[i] = acc_s[i] * (acc_dp[i] - dsum[stat_index(i)])
             convert_p_packed(acc_dp, r_ds)
