@@ -23,7 +23,7 @@ from dsv4_attention.common.validation import check_out, check_qkv, check_scale, 
 
 ID = "f"
 NAME = "backward"
-ADDS = "gradients: dQ, dK, dV recomputing P per tile (dK, dV per KV tile in registers, dQ by fp32 atomics)"
+ADDS = "gradients: dQ, dK, dV recomputing P per tile (dK, dV per KV tile in registers, dQ by a TMA reduce-add a visit)"
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90"}
