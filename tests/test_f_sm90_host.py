@@ -7,10 +7,10 @@ built with the kernel's own builders (stages/f_backward/sm90.py, common/sm90_gem
    K-major) are read as the MN-major B of dK / dV, K as the B of dQ. For every element and stage:
    the offset of (r, c, s) in the written layout equals that of (c, r, s) in the read one, with the
    same swizzle. Negative control: a K-major view of the transposed shape.
-2. Column statistics. Every S^T value i of every consumer thread has the query of statistic
-   ``stat_index(i)`` (read at value ``stat_value(s)``), so LSE and D scale the right columns; each
-   thread's statistics are distinct queries. Negative control: statistic i // 2 (the row half
-   mistaken for the column pair).
+2. Column statistics. The kernel's column view (``common.softmax.acc_cols_layout`` of the S^T
+   fragment) covers each value once, the values of each of its rows share one query, and the rows'
+   queries are distinct, for every consumer thread: LSE and D scale the right columns. Negative
+   control: the row view (``acc_rows_layout``) in its place.
 3. Coverage. The dQ MMA's C partition over 256 threads covers the (tile_m, d) tile exactly once
    (each dQ element is added once per visit), and so do dK / dV's over (tile_n, d).
 
@@ -26,6 +26,7 @@ import pytest
 from dsv4_attention.common.layout_proof import as_ints, offset_of, trace
 from dsv4_attention.common.p_staging import make_pv_tiled_mma
 from dsv4_attention.common.sm90_gemm import make_tile_smem_layout, make_tile_smem_layout_mn, make_tiled_mma
+from dsv4_attention.common.softmax import acc_cols_layout, acc_rows_layout
 from dsv4_attention.stages.f_backward import sm90 as kernel
 
 pytestmark = [pytest.mark.stage_f, pytest.mark.proof, pytest.mark.arch("sm90")]
@@ -72,7 +73,13 @@ def held(head_dim: int) -> dict:
         sdp = make_tiled_mma(dtype, TILE_M, warpgroups=2)
         dkv = make_pv_tiled_mma(dtype, head_dim, warpgroups=2)
         dq = kernel.make_dq_tiled_mma(dtype, head_dim)
-        out = {"s": [], "dq": [], "dkv": []}
+        thr = sdp.get_slice(0)
+        acc = thr.make_fragment_C(thr.partition_shape_C((TILE_N, TILE_M)))
+        out = {"s": [], "dq": [], "dkv": [], "views": {}}
+        for name, fn in (("cols", acc_cols_layout), ("rows", acc_rows_layout)):
+            view = fn(acc.layout)
+            out["views"][name] = [[int(view((a, b))) for b in range(cute.size(view, mode=[1]))]
+                                  for a in range(cute.size(view, mode=[0]))]
         for t in range(THREADS):
             out["s"].append(_coords(sdp.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))))
             out["dq"].append(_coords(dq.get_slice(t).partition_C(cute.make_identity_tensor((TILE_M, head_dim)))))
@@ -87,33 +94,33 @@ def holdings(request):
     return request.param, held(request.param)
 
 
-def stat_failures(s_coords: list, stat_index) -> list:
+def stat_failures(s_coords: list, view: list) -> list:
+    """view[s][j]: the register of statistic s's j-th value."""
     bad = []
+    if sorted(i for row in view for i in row) != list(range(len(s_coords[0]))):
+        bad.append("the view does not cover each value once")
     for t, values in enumerate(s_coords):
-        n_stats = len(values) // 2
-        stat_query = {}
-        for i, (_, query) in enumerate(values):
-            s = stat_index(i)
-            if not 0 <= s < n_stats or stat_query.setdefault(s, query) != query:
-                bad.append((t, i, s))
-        if len(set(stat_query.values())) != len(stat_query):
+        queries = []
+        for s, row in enumerate(view):
+            qs = {values[i][1] for i in row}
+            if len(qs) != 1:
+                bad.append((t, s, sorted(qs)))
+            queries.append(min(qs))
+        if len(set(queries)) != len(queries):
             bad.append((t, "statistics repeat a query"))
-        for s, query in stat_query.items():
-            if values[kernel.stat_value(s)][1] != query:
-                bad.append((t, "stat_value", s))
     return bad
 
 
 def test_column_statistics_are_the_values_queries(holdings):
     _, h = holdings
-    bad = stat_failures(h["s"], kernel.stat_index)
+    bad = stat_failures(h["s"], h["views"]["cols"])
     assert not bad, bad[:5]
-    assert len(h["s"][0]) == TILE_M // 2  # tile_m / 4 statistics, two values (row halves) each
+    assert len(h["views"]["cols"]) == TILE_M // 4  # tile_m / 4 statistics, two values (row halves) each
 
 
-def test_statistics_checker_rejects_the_row_half(holdings):
+def test_statistics_checker_rejects_the_row_view(holdings):
     _, h = holdings
-    assert stat_failures(h["s"], lambda i: i // 2)
+    assert stat_failures(h["s"], h["views"]["rows"])
 
 
 def test_each_gradient_element_has_one_owner(holdings):

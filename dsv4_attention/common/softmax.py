@@ -44,6 +44,20 @@ def acc_rows_view(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, acc_rows_layout(acc.layout))
 
 
+def acc_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), MMA_M, MMA_N) -> ((2, V, MMA_N), (2, MMA_M)): ``acc_rows_layout`` transposed,
+    (column, row) of the thread's values, same offsets. A kernel whose accumulator holds a
+    transposed score tile (the backward's S^T: keys as rows, queries as columns) keeps its softmax
+    statistics per column: view row s is one column's values."""
+    (c, r, v), m, n = acc_layout.shape
+    (dc, dr, dv), dm, dn = acc_layout.stride
+    return cute.make_layout(((c, v, n), (r, m)), stride=((dc, dv, dn), (dr, dm)))
+
+
+def acc_cols_view(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, acc_cols_layout(acc.layout))
+
+
 @cute.jit
 def quad_allreduce(x: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
     """op-reduce x over the 4 lanes of this lane's quad; every lane gets the result (the DSL's

@@ -70,7 +70,8 @@ Layouts (consumer warpgroup w, warp w' in it, lane l)
     sdQ         (tile_m, d, 1) fp32, d contiguous, unswizzled: the TMA reduction's box.
     S^T, dP^T   ((2,2,tile_m/8),1,1): value (c, r, n) = S^T[64 w + 16 w' + l/4 + 8 r,
                 8 n + 2 (l%4) + c]: queries 8 n + 2 (l%4) + c, independent of r, so the column
-                statistics are tile_m / 4 values a thread, stat (c, n) for value (c, r, n).
+                statistics are tile_m / 4 values a thread: row (c, n) of the column view
+                ``acc_cols_view`` (common/softmax.py) holds values (c, 0, n) and (c, 1, n).
 """
 
 import cuda.bindings.driver as cuda
@@ -82,6 +83,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from dsv4_attention.common.kv_span import row_keys
 from dsv4_attention.common.layouts import reorder, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.sm90_barriers import Sm90BwdBarrier
@@ -97,22 +99,12 @@ from dsv4_attention.common.sm90_gemm import (
     make_tma_tile_atom,
     tile_tma_partition,
 )
-from dsv4_attention.stages.f_backward.span import q_tile_range
+from dsv4_attention.common.softmax import acc_cols_view
+from dsv4_attention.stages.f_backward.span import q_tile_range, visit
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WG = 2  # consumer warpgroups: 128 keys
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
-
-
-def stat_index(i: int) -> int:
-    """The column statistic of S^T value i = c + 2 r + 4 n: stat c + 2 n (r, the row half,
-    does not change the query)."""
-    return i % 2 + 2 * (i // 4)
-
-
-def stat_value(s: int) -> int:
-    """A value of the S^T fragment whose query is statistic s's (r = 0)."""
-    return s % 2 + 4 * (s // 2)
 
 
 def make_dq_tiled_mma(dtype: type[cutlass.Numeric], head_dim: int) -> cute.TiledMma:
@@ -385,8 +377,7 @@ class FlashAttentionBackwardSm90:
             cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for it in cutlass.range(visits, unroll=1):
-            head = head_kv * group + it // m_count
-            m_block = m_lo + it % m_count
+            head, m_block = visit(it, head_kv, group, m_lo, m_count)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
@@ -429,8 +420,7 @@ class FlashAttentionBackwardSm90:
         if visits > 0:
             cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
         for it in cutlass.range(visits, unroll=1):
-            head = head_kv * group + it // m_count
-            m_block = m_lo + it % m_count
+            head, m_block = visit(it, head_kv, group, m_lo, m_count)
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             tQsdQ, tQgdQ = tile_tma_partition(tma_atom_dq, sdQ, gdQ)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
@@ -503,7 +493,9 @@ class FlashAttentionBackwardSm90:
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))  # (key, query) of each value
         tSsdS = thr_sdp.partition_C(sdS[None, None, 0])  # where this thread's dS^T values go
         leader = tidx // 32 == 0  # the warp that issues the dK / dV stores
-        n_stats = cute.size(acc_s) // 2
+        # column views (common/softmax.acc_cols_view): row s holds the values of one query
+        s_cols, dp_cols, c_cols = acc_cols_view(acc_s), acc_cols_view(acc_dp), acc_cols_view(tScS)
+        n_stats, per_stat = cute.size(s_cols, mode=[0]), cute.size(s_cols, mode=[1])
         lse = cute.make_rmem_tensor(n_stats, cutlass.Float32)
         dsum = cute.make_rmem_tensor(n_stats, cutlass.Float32)
         acc_dv.fill(0.0)
@@ -522,24 +514,26 @@ class FlashAttentionBackwardSm90:
             gemm(sdp_mma, acc_dp, tSrV, tSrdO[None, None, None, state.index], zero_init=True)
             warpgroup.wait_group(1)  # S^T complete
             for s in cutlass.range_constexpr(n_stats):  # the slot's statistics (SMEM: read when needed)
-                lse[s] = sLSE[tScS[stat_value(s)][1], state.index]
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                key = key0 + tScS[i][0]
-                pos = q0 + tScS[i][1] + offset
-                hidden = key >= seqlen_k
-                if cutlass.const_expr(self.has_left):
-                    hidden = hidden | (key < pos - left)
-                if cutlass.const_expr(self.has_right):
-                    hidden = hidden | (key > pos + right)
-                p = cute.math.exp2(acc_s[i] * scale_log2 - lse[stat_index(i)], fastmath=True)
-                acc_s[i] = cutlass.Float32(0.0) if hidden else p
+                lse[s] = sLSE[c_cols[s, 0][1], state.index]
+            for s in cutlass.range_constexpr(n_stats):
+                # the query's visible keys [lo, hi): the forward's one per-row rule (common/kv_span.py)
+                lo, hi = row_keys(q0 + c_cols[s, 0][1] + offset, seqlen_k, left, right, self.has_left,
+                                  self.has_right)
+                for j in cutlass.range_constexpr(per_stat):
+                    key = key0 + c_cols[s, j][0]
+                    hidden = key >= hi
+                    if cutlass.const_expr(self.has_left):
+                        hidden = hidden | (key < lo)
+                    p = cute.math.exp2(s_cols[s, j] * scale_log2 - lse[s], fastmath=True)
+                    s_cols[s, j] = cutlass.Float32(0.0) if hidden else p
             convert_p_packed(acc_s, r_p)
             gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(1)  # dP^T complete (dV may run)
             for s in cutlass.range_constexpr(n_stats):
-                dsum[s] = sD[tScS[stat_value(s)][1], state.index]
-            for i in cutlass.range_constexpr(cute.size(acc_dp)):
-                acc_dp[i] = acc_s[i] * (acc_dp[i] - dsum[stat_index(i)])
+                dsum[s] = sD[c_cols[s, 0][1], state.index]
+            for s in cutlass.range_constexpr(n_stats):
+                for j in cutlass.range_constexpr(per_stat):
+                    dp_cols[s, j] = s_cols[s, j] * (dp_cols[s, j] - dsum[s])
             convert_p_packed(acc_dp, r_ds)
             cute.autovec_copy(r_ds, tSsdS)
             gemm(dkv_mma, acc_dk, tKrdS, tKrQ[None, None, None, state.index], zero_init=False)

@@ -21,6 +21,13 @@ from __future__ import annotations
 import cutlass
 
 
+def visit(it, head_kv, group, m_lo, m_count):
+    """(query head, Q tile) of a CTA's visit ``it``: head-major over the KV head's group, Q tiles
+    m_lo .. m_lo + m_count - 1 within a head. The producer and the consumers both call it, so they
+    agree on what a pipeline slot holds."""
+    return head_kv * group + it // m_count, m_lo + it % m_count
+
+
 def q_tile_range(n_block, tile_n: int, tile_m: int, seqlen_q, seqlen_k, left, right, has_left: bool,
                  has_right: bool):
     """(m_lo, m_hi): KV tile n_block's backward visits Q tiles m_lo <= m < m_hi (m_hi >= m_lo)."""
