@@ -65,6 +65,38 @@ def test_register_split_error():
     assert register_split_error(None, 168) is None
 
 
+# stage F's dQ warp as it hung on an H200: elect_one around a TMA reduce-add that elects a lane itself
+_NESTED_ELECT_PTX = """\
+\tbar.sync \t5, 288;
+\telect.sync \t%r798|%p66, -1;
+\tnot.pred \t%p67, %p66;
+\t@%p67 bra \t$L__BB0_57;
+\telect.sync \t%r799|%p68, -1;
+\tnot.pred \t%p69, %p68;
+\t@%p69 bra \t$L__BB0_56;
+\tcp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%rd114, {%r804, %r801}], [%r21];
+$L__BB0_56:
+\tcp.async.bulk.commit_group;
+\tcp.async.bulk.wait_group.read \t0;
+$L__BB0_57:
+\tbar.arrive 6, 288;
+"""
+
+
+def test_nested_elects():
+    """The PTX check run by every compile test (common/compile.py) flags the elect.sync that hung
+    stage F's first dQ warp (negative control) and passes its fix and the TMA-store epilogue's
+    single elect (the same copy with one elect, and two regions one after the other)."""
+    from dsv4_attention.common.compile import nested_elects
+
+    assert nested_elects(_NESTED_ELECT_PTX) == [5]
+    lines = _NESTED_ELECT_PTX.splitlines()
+    fixed = "\n".join(lines[:1] + lines[4:])  # the copy's own elect only
+    assert nested_elects(fixed) == []
+    store = "\n".join(lines[4:9] + [ln.replace("BB0_56", "BB0_58") for ln in lines[4:9]])  # two regions in a row
+    assert nested_elects(store) == []
+
+
 def test_report_staleness(tmp_path):
     (tmp_path / "dsv4_attention" / "common").mkdir(parents=True)
     (tmp_path / "dsv4_attention" / "stages").mkdir()

@@ -13,6 +13,7 @@ suite), and returns what the compiler made:
 - ``warnings``: ptxas warnings (C7508 = setmaxnreg ignored, and others), and its C7519 remark
   (an info line: "wgmma.mma_async instructions are serialized", every wgmma then waited for
   before the next issues; the persistent seesaw's first build ran 27 % slower on the H200 with it).
+- ``nested_elects``: PTX lines of an ``elect.sync`` inside another's one-lane region (a hang).
 
 Run directly: ``python -m common.compile STAGE ARCH DTYPE HEAD_DIM [OPTIONS_JSON]`` prints one
 JSON line (OPTIONS_JSON: the kernel's keyword options, e.g. '{"kv_shared": true}').
@@ -58,6 +59,7 @@ class CompileReport:
     error: str | None = None
     options: dict = dataclasses.field(default_factory=dict)  # the kernel's compile-time keyword options
     register_plan: list | None = None  # [(threads, setmaxnreg target), ...] per role; None: setmaxnreg unused
+    nested_elects: list = dataclasses.field(default_factory=list)  # PTX lines (``nested_elects``); [] = none
 
     @property
     def ok(self) -> bool:
@@ -98,6 +100,30 @@ def parse_ptxas(text: str) -> dict:
     out["warnings"] = sorted(set(re.findall(r"ptxas warning\s*:\s*(.*)", text))
                              | set(re.findall(r"ptxas info\s*:\s*(\(C7519\).*?serialized[^']*)", text)))
     return out
+
+
+_ELECT = re.compile(r"^\s*elect\.sync\s+%\w+\|(%p\d+)")
+_SKIP = re.compile(r"^\s*@!?%p\d+\s+bra(?:\.uni)?\s+(\$?\w+);")
+
+
+def nested_elects(ptx: str) -> list:
+    """PTX line numbers (1-based) of ``elect.sync`` instructions inside another's one-lane region.
+
+    ``elect_one`` lowers to ``elect.sync`` with the full mask and a branch that sends the other
+    lanes to a label past the region. Some DSL copies (the TMA reduce-add, ``cp.reduce.async.bulk``)
+    elect a lane themselves; inside ``elect_one`` that second ``elect.sync`` runs on one lane with a
+    full mask, and the warp hangs (stage F's dQ warp did, on an H200). A region is the lines from an
+    ``elect.sync`` to the label its skip branch (within the next three lines) jumps to."""
+    lines = ptx.splitlines()
+    labels = {ln.split(":", 1)[0].strip(): i for i, ln in enumerate(lines) if re.match(r"^\$?\w+:", ln.strip())}
+    out = []
+    for i, ln in enumerate(lines):
+        if not _ELECT.match(ln):
+            continue
+        skip = next((m.group(1) for m in map(_SKIP.match, lines[i + 1:i + 4]) if m), None)
+        end = labels.get(skip, -1) if skip else -1
+        out += [j + 1 for j in range(i + 1, end) if _ELECT.match(lines[j])]
+    return sorted(set(out))
 
 
 class _CaptureStderr:
@@ -160,8 +186,9 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
         plan = getattr(kernel, "register_plan", None)
         rep.register_plan = None if plan is None else plan()
         if not once:
-            with _CaptureStderr() as cap:
-                jit.compile_kernel(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, "remarks{ptx}")
+            with _CaptureStderr() as cap, tempfile.TemporaryDirectory() as d:
+                ptx = jit.compile_ptx(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, d, "remarks{ptx}")
+            rep.nested_elects = nested_elects(ptx)
     res = parse_ptxas(cap.text)
     rep.warnings = res.pop("warnings")
     for k, v in res.items():
@@ -237,7 +264,8 @@ def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: in
     (0: none; a stage that allows some says why beside the number), SMEM within SMEM_LIMIT,
     no ignored setmaxnreg (C7508), a setmaxnreg split the launch's registers hold
     (``register_split_error``), no serialized wgmma (C7519), and on sm100 a power-of-two TMEM allocation of at least
-    ``min_tmem_columns`` and at most 512 columns. Returns the report."""
+    ``min_tmem_columns`` and at most 512 columns, and no ``elect.sync`` nested in another's region
+    (``nested_elects``: a hang). Returns the report."""
     rep = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options)
     assert rep.ok, rep.error
     print(rep.row())
@@ -246,6 +274,7 @@ def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: in
     assert rep.spill_store_bytes <= max_spill_bytes and rep.spill_load_bytes <= max_spill_bytes, rep.row()
     assert 0 < rep.smem_bytes <= SMEM_LIMIT, rep.row()
     assert not any("C7508" in w or "C7519" in w for w in rep.warnings), rep.warnings
+    assert not rep.nested_elects, f"elect.sync inside an elect_one region (a hang) at PTX lines {rep.nested_elects}"
     assert register_split_error(rep.register_plan, rep.registers) is None, register_split_error(
         rep.register_plan, rep.registers)
     if arch == "sm100":

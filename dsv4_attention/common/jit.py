@@ -132,11 +132,11 @@ def compile_kernel(kernel, args, arch: str, extra_options: str = ""):
     return compiled
 
 
-def compile_ptx(kernel, args, arch: str, dump_dir) -> str:
+def compile_ptx(kernel, args, arch: str, dump_dir, extra_options: str = "") -> str:
     """Compile like ``compile_kernel`` and return the kernel's PTX text, for host tests that read
     the instructions the DSL emitted. Some DSL versions give the artifact as bytes, some as the
     path of the kept file; both are read here."""
-    fn = compile_kernel(kernel, args, arch, f"--keep-ptx --dump-dir={dump_dir}")
+    fn = compile_kernel(kernel, args, arch, f"{extra_options} --keep-ptx --dump-dir={dump_dir}".strip())
     ptx = fn.artifacts.PTX
     ptx = ptx if isinstance(ptx, str) else ptx.decode()
     if not ptx.lstrip().startswith("//") and ptx.endswith(".ptx"):

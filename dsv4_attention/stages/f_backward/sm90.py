@@ -424,10 +424,12 @@ class FlashAttentionBackwardSm90:
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             tQsdQ, tQgdQ = tile_tma_partition(tma_atom_dq, sdQ, gdQ)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
-            with cute.arch.elect_one():
-                cute.copy(tma_atom_dq, tQsdQ[None, 0], tQgdQ[None, m_block])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # the reduce copy elects its own lane: inside elect_one its elect.sync would run on one
+            # lane with a full mask and hang (tests/test_f_compile.py checks the PTX for it). Every
+            # lane commits and waits; the lanes that issued nothing wait on empty groups.
+            cute.copy(tma_atom_dq, tQsdQ[None, 0], tQgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
             if it + 1 < visits:
                 cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
 
@@ -544,9 +546,8 @@ class FlashAttentionBackwardSm90:
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
-            # dQ's partial sum over this KV tile -> sdQ[it % 2] -> one TMA reduce-add into the fp32
-            # accumulator (padded rows land in its padding). The buffer was last read by the reduction
-            # of visit it - 2, which the leader waited for before this visit's DS_READY.
+            # dQ's partial sum over this KV tile -> sdQ -> one TMA reduce-add into the fp32
+            # accumulator by the dQ warp (padded rows land in its padding)
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
                 acc_dq[i] = acc_dq[i] * scale
             # sdQ is free once the dQ warp's reduction of the previous visit has read it
