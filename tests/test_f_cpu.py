@@ -2,8 +2,10 @@
 autograd routing, without a GPU.
 
 - ``reference.attention_backward`` (the GPU tests' reference) equals torch.autograd through the
-  forward reference on GQA, causal, windowed and K = V cases, and the forward reference itself
-  passes torch.autograd.gradcheck (finite differences) on a tiny shape.
+  forward reference on GQA, causal, windowed and K = V cases, with and without the sink (whose
+  gradient it returns), and the forward reference itself passes torch.autograd.gradcheck (finite
+  differences) on a tiny shape, the sink included; with a -inf sink and rows that see no key, the
+  gradients are finite and those rows' are 0.
 - ``span.q_tile_range`` visits exactly the Q tiles holding a query that sees one of the KV tile's
   keys, against every (query, key) pair; the negative control (the bottom-right offset dropped)
   is rejected by the same check.
@@ -43,6 +45,54 @@ def test_reference_backward_is_autograds(case):
     torch.testing.assert_close(dk + dv if kv_shared else dk, k.grad)
     if not kv_shared:
         torch.testing.assert_close(dv, v.grad)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(5, 3)), dict(kv_shared=True)],
+                         ids=["full", "causal", "window", "k_eq_v"])
+def test_reference_sink_backward_is_autograds(case):
+    g = torch.Generator().manual_seed(12)
+    kv_shared = case.pop("kv_shared", False)
+    q = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    v = k if kv_shared else torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    sink = torch.tensor([0.5, -2.0, 3.0, 1.0], dtype=torch.float64, requires_grad=True)  # 3.0: the sink dominates
+    do = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g)
+    o, _ = reference.attention(q, k, v, 0.3, learnable_sink=sink, **case)
+    o.backward(do)
+    dq, dk, dv, dsink = reference.attention_backward(q.detach(), k.detach(), v.detach(), do, 0.3,
+                                                     learnable_sink=sink.detach(), **case)
+    torch.testing.assert_close(dq, q.grad)
+    torch.testing.assert_close(dk + dv if kv_shared else dk, k.grad)
+    torch.testing.assert_close(dsink, sink.grad)
+    if not kv_shared:
+        torch.testing.assert_close(dv, v.grad)
+    # negative control: the gradient without the sink in the normalizer is another one
+    dq0, *_ = reference.attention_backward(q.detach(), k.detach(), v.detach(), do, 0.3, **case)
+    assert not torch.allclose(dq0, q.grad)
+
+
+def test_reference_sink_backward_with_empty_rows_and_a_minus_inf_sink():
+    """Rows 0-2 see no key (causal, 6 queries over 3 keys); head 1's sink is -inf (FlashMLA's
+    tests use it for 'no sink'): every gradient is finite, the empty rows' dQ is 0, a -inf sink's
+    gradient is 0, and head 0's equals autograd's on the rows that see keys."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(1, n, 2, 8, dtype=torch.float64, generator=g) for n in (6, 3, 3, 6))
+    sink = torch.tensor([0.7, -float("inf")], dtype=torch.float64)
+    dq, dk, dv, dsink = reference.attention_backward(q, k, v, do, causal=True, learnable_sink=sink)
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv, dsink))
+    assert (dq[:, :3] == 0).all() and dsink[1] == 0
+    s = sink.clone().requires_grad_(True)
+    o, _ = reference.attention(q[:, 3:], k, v, causal=True, learnable_sink=s)  # the rows that see keys
+    o.backward(do[:, 3:])
+    torch.testing.assert_close(dsink[0], s.grad[0])
+
+
+def test_forward_reference_with_sink_passes_gradcheck():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, n, 2, 4, dtype=torch.float64, generator=g, requires_grad=True) for n in (3, 5, 5))
+    sink = torch.tensor([0.2, -0.4], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, s: reference.attention(q, k, v, causal=True, learnable_sink=s)[0], (q, k, v, sink))
 
 
 def test_reference_backward_of_an_empty_row_is_zero():
@@ -136,9 +186,18 @@ def test_attention_with_grad_names_why_it_cannot_differentiate():
         attention(q.half().float(), k.float(), v.float())  # fp32: the backward serves bf16 / fp16
 
 
+def test_the_sink_routes_to_the_backward():
+    """A sink that requires grad (alone, q, k, v detached) takes the differentiable path: on these
+    CPU tensors that path names why stage F cannot serve them, not 'no backward yet'."""
+    q, k, v = cpu()
+    sink = torch.zeros(4, requires_grad=True)
+    with pytest.raises(NotDifferentiableError, match="attention cannot be differentiated here: .*CUDA"):
+        attention(q, k, v, learnable_sink=sink)
+
+
 def test_unsupported_options_are_still_refused():
     q, k, v = cpu(grad=("k",))
     with pytest.raises(NotDifferentiableError, match="attention has no backward yet, but k requires grad"):
-        attention(q, k, v, learnable_sink=torch.zeros(4))
+        attention(q, k, v, out=torch.empty_like(q))
     with pytest.raises(NotDifferentiableError, match="attention has no backward yet"):
         attention(q, k, v, seqused_k=torch.tensor([16], dtype=torch.int32))

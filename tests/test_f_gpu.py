@@ -10,9 +10,12 @@ gradients are rounded to the inputs' dtype (bf16 alone contributes ~3e-3) and P,
 to 16 bits before their GEMMs, as in FlashAttention's backward. Cases: head dims 64 / 128,
 sequence lengths that are not multiples of the 64 x 128 tile, several KV tiles and Q tiles,
 GQA / MQA, K = V, causal and windows (rows with no visible key: gradient 0), scores with large
-magnitude, dO with outliers, the autograd path through ``attention``, dK / dV bitwise repeatable
-(dQ accumulates by atomics: not bitwise), compute-sanitizer.
+magnitude, dO with outliers, the sink (its gradient against the float64 reference's; a -inf sink
+and a dominant one), the autograd path through ``attention`` (the sink's included), dK / dV
+bitwise repeatable (dQ accumulates by TMA reduce-adds in any order: not bitwise), compute-sanitizer.
 """
+
+import math
 
 import pytest
 import torch
@@ -44,14 +47,32 @@ def forward(q, k, v, **mask):
         return e_fused.forward(q, k, v, **mask)
 
 
+SINK_REL = 1e-3  # dsink against the float64 sum from the same O: only fp32 summation differs
+
+
 def check_backward(q, k, v, do, record, g, exact_rel=None, **mask):
+    """dQ, dK, dV (and with ``learnable_sink`` in ``mask``, dsink) of the kernel against the exact
+    and the given-O float64 references; returns the kernel's gradients."""
     o, lse = forward(q, k, v, **mask)
     dk_out, dv_out = poison_(torch.empty_like(k)), poison_(torch.empty_like(k))
-    dq, dk, dv = stage.backward(q, k, v, o, lse, do, dk_out=dk_out, dv_out=dv_out, **mask)
+    grads = stage.backward(q, k, v, o, lse, do, dk_out=dk_out, dv_out=dv_out, **mask)
     torch.cuda.synchronize()
+    dq, dk, dv = grads[:3]
     assert dk is dk_out and dv is dv_out
     exact = reference.attention_backward(q, k, v, do, **mask)
     given_o = reference.attention_backward(q, k, v, do, o=o, **mask)
+    sink = mask.pop("learnable_sink", None)
+    if sink is not None:  # the sink's gradient: one value a head, a sum over batch and rows
+        assert len(grads) == 4 and grads[3].shape == sink.shape and grads[3].dtype == torch.float32
+        ds = grads[3].double()
+        rel = ((ds - given_o[3]).norm() / given_o[3].norm().clamp_min(1e-30)).item()
+        record(Errors(rel, rel, (ds - exact[3]).abs().max().item(), ()), grad="dsink", dtype=str(q.dtype),
+               shape=list(q.shape), seqlen_k=k.shape[1], **{n: (list(x) if isinstance(x, tuple) else x)
+                                                            for n, x in mask.items()})
+        assert torch.isfinite(ds).all() and rel <= SINK_REL, f"dsink {ds.tolist()} vs {given_o[3].tolist()}"
+        assert ((ds == 0) == (given_o[3] == 0)).all(), "a -inf sink gets gradient 0 exactly"
+    else:
+        assert len(grads) == 3
     tol = GRAD_REL[q.dtype]
     case = dict(dtype=str(q.dtype), shape=list(q.shape), seqlen_k=k.shape[1], kv_heads=k.shape[2],
                 **{n: (list(x) if isinstance(x, tuple) else x) for n, x in mask.items()})
@@ -111,6 +132,51 @@ def test_large_scores_and_do_outliers(arch, head_dim, record_errors):
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("lengths,mask", [((333, 555), dict()), ((700, 300), dict(causal=True)),
+                                          ((513, 513), dict(window_size=(50, 30)))],
+                         ids=["full", "causal_empty_rows", "window"])
+def test_sink_gradient(arch, head_dim, lengths, mask, record_errors):
+    """The sink as one more key with value 0: dQ, dK, dV from LSE' = logaddexp(LSE, sink) and the
+    sink-scaled O, dsink[h] = - sum of exp(sink - LSE') D. Sinks: ordinary, -inf (no sink: gradient
+    0), and 6.0, above every score, so most of each row's mass is the sink's. Causal with
+    sq > sk leaves rows with no key: their dQ is 0 and their dsink term 0."""
+    sq, sk = lengths
+    q, k, v, g = attention_inputs(2, sq, sk, 4, 2, head_dim, torch.bfloat16)
+    do = random_bshd(2, sq, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    sink = torch.tensor([0.5, -math.inf, 6.0, -1.0], dtype=torch.float32, device=q.device)
+    dq, _, _ = check_backward(q, k, v, do, record_errors, g, learnable_sink=sink, **mask)
+    if mask.get("causal"):
+        assert bool((dq[:, : sq - sk] == 0).all()), "rows with no visible key must get dQ = 0"
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+def test_autograd_through_attention_with_sink(arch, head_dim, record_errors):
+    """q, k, v and the sink requiring grad: loss.backward() reaches all four, equal to the
+    reference's; the sink alone requiring grad gets its gradient too."""
+    q, k, v, g = attention_inputs(2, 300, 400, 4, 2, head_dim, torch.bfloat16)
+    do = random_bshd(2, 300, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32, device=q.device)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
+    o, lse = attention(*leaves[:3], causal=True, learnable_sink=leaves[3])
+    assert o.grad_fn is not None and not lse.requires_grad
+    (o.float() * do.float()).sum().backward()
+    ref = reference.attention_backward(q, k, v, do, causal=True, o=o.detach(), learnable_sink=sink)
+    for name, out, r in zip(("dq", "dk", "dv"), [t.grad for t in leaves[:3]], ref[:3], strict=True):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, sink=True, causal=True, head_dim=head_dim)
+        assert e.within(2e-2, 8e-2), f"{name}: {e} (seed {g.initial_seed()})"
+    rel = ((leaves[3].grad.double() - ref[3]).norm() / ref[3].norm()).item()
+    assert rel <= SINK_REL, (leaves[3].grad, ref[3])
+    only_sink = sink.clone().requires_grad_(True)
+    o2, _ = attention(q, k, v, causal=True, learnable_sink=only_sink)
+    (o2.float() * do.float()).sum().backward()
+    assert torch.equal(o2, o.detach()) and only_sink.grad is not None
+    assert ((only_sink.grad.double() - ref[3]).norm() / ref[3].norm()).item() <= SINK_REL
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_autograd_through_attention(arch, head_dim, causal, record_errors):
     """``attention`` with q, k, v requiring grad: loss.backward() reaches all three (K = V: one
@@ -149,7 +215,7 @@ def test_dk_dv_bitwise_repeatable(arch):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("bad", ["dtype", "head_dim", "lse_shape", "do_shape", "stride"])
+@pytest.mark.parametrize("bad", ["dtype", "head_dim", "lse_shape", "do_shape", "stride", "sink_shape", "sink_dtype"])
 def test_bad_input_is_named(arch, bad):
     q, k, v, g = attention_inputs(1, 100, 100, 2, 1, 128, torch.bfloat16)
     o, lse = forward(q, k, v)
@@ -163,6 +229,10 @@ def test_bad_input_is_named(arch, bad):
         args["lse"] = lse[:, :, :50]
     elif bad == "do_shape":
         args["do"] = do[:, :50]
+    elif bad == "sink_shape":
+        args["learnable_sink"] = torch.zeros(3, device=q.device)
+    elif bad == "sink_dtype":
+        args["learnable_sink"] = torch.zeros(2, dtype=torch.float64, device=q.device)
     else:
         args["k"] = torch.randn(1, 100, 1, 130, dtype=torch.bfloat16, device=q.device)[..., :128]
     with pytest.raises(ValueError):

@@ -1,9 +1,10 @@
 """What the library differentiates, and the refusal everywhere else.
 
 Differentiable (stage F's backward, sm90): ``attention(q, k, v)`` with ``softmax_scale``,
-``causal`` and ``window_size``, head dims 64 and 128, GQA / MQA, K = V (one gradient, dK + dV):
-:func:`dense_attention` wraps the forward in a ``torch.autograd.Function`` that saves q, k, v, O
-and LSE (never P) and runs stage F's kernel in backward. LSE is returned without a gradient.
+``causal``, ``window_size`` and ``learnable_sink``, head dims 64 and 128, GQA / MQA, K = V (one
+gradient, dK + dV): :func:`dense_attention` wraps the forward in a ``torch.autograd.Function``
+that saves q, k, v, O, LSE and the sink (never P) and runs stage F's kernel in backward; the
+sink's gradient comes with it. LSE is returned without a gradient.
 
 Every other call launches forward kernels only. A torch function that returns an output without a
 ``grad_fn`` while its input requires grad would let a training loop run on silently: the loss's
@@ -66,12 +67,12 @@ def refuse_op_grad(op, what: str) -> None:
 
 
 class _DenseAttention(torch.autograd.Function):
-    """o, lse = run_forward(); backward: stage F's kernel on (q, k, v, o, lse, do)."""
+    """o, lse = run_forward(); backward: stage F's kernel on (q, k, v, o, lse, do, sink)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_size, run_forward):
+    def forward(ctx, q, k, v, learnable_sink, softmax_scale, causal, window_size, run_forward):
         o, lse = run_forward()
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, learnable_sink)
         ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -80,19 +81,22 @@ class _DenseAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         from dsv4_attention import stages  # the registry: a call-time lookup, not an import of the kernel
 
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = stages.get("f").module.backward(q, k, v, o, lse, do.contiguous(), **ctx.options)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, o, lse, sink = ctx.saved_tensors
+        grads = stages.get("f").module.backward(q, k, v, o, lse, do.contiguous(), learnable_sink=sink,
+                                                **ctx.options)
+        dsink = grads[3] if sink is not None else None
+        return grads[0], grads[1], grads[2], dsink, None, None, None, None
 
 
-def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward):
-    """``run_forward()`` (the forward kernel's (o, lse) for q, k, v) made differentiable in q, k, v;
-    raises :class:`NotDifferentiableError` before any launch where stage F cannot serve the inputs.
-    v may be k (K = V): autograd adds its two gradients."""
+def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, learnable_sink=None):
+    """``run_forward()`` (the forward kernel's (o, lse) for q, k, v and the sink) made
+    differentiable in q, k, v and ``learnable_sink``; raises :class:`NotDifferentiableError` before
+    any launch where stage F cannot serve the inputs. v may be k (K = V): autograd adds its two
+    gradients."""
     from dsv4_attention import stages
 
     why = stages.get("f").module.serves(q, k, v)
     if why is not None:
         raise NotDifferentiableError(f"attention cannot be differentiated here: {why}. Call it under torch.no_grad() "
                                      f"or with detached inputs (docs/training.md)")
-    return _DenseAttention.apply(q, k, v, softmax_scale, causal, window_size, run_forward)
+    return _DenseAttention.apply(q, k, v, learnable_sink, softmax_scale, causal, window_size, run_forward)

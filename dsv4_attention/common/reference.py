@@ -161,15 +161,19 @@ def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
 
 
 def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causal: bool = False,
-                       window_size=(None, None), o=None):
-    """Gradients of ``attention`` (no sink, no seqused_k) in float64, written out rather than
-    autograd's, so that a row with no visible key is exact (its P is 0: no gradient, no NaN):
+                       window_size=(None, None), o=None, learnable_sink=None):
+    """Gradients of ``attention`` (no seqused_k) in float64, written out rather than autograd's, so
+    that a row with no visible key is exact (its P is 0: no gradient, no NaN):
 
         P = softmax(S) over the visible keys, D_i = dO_i . O_i, dV = P^T dO, dP = dO V^T,
         dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q
 
     with a KV head's gradient summed over its query heads. Returns (dq, dk, dv) float64 in the
-    inputs' shapes; where v is k the caller adds dk and dv. ``o``: take D from this output (the
+    inputs' shapes; where v is k the caller adds dk and dv. With ``learnable_sink`` the sink is one
+    more key with value 0: P and D above use the softmax over the keys and the sink (LSE' =
+    logaddexp(LSE, sink[h]), O the sink-scaled output), and the call returns (dq, dk, dv, dsink)
+    with dsink[h] = - sum over batch and rows of exp(sink[h] - LSE') D (0 where LSE' = -inf, a row
+    that sees neither a key nor a finite sink). ``o``: take D from this output (the
     forward kernel's, rounded to 16 bits) instead of the exact one, as every FlashAttention-style
     backward does: where a row's softmax is nearly one-hot, dP - D cancels and O's rounding decides
     that row's dQ; a kernel is judged row by row against the gradient of the O it was given.
@@ -177,8 +181,10 @@ def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causa
     reference by finite differences."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     h, hk = q.shape[2], k.shape[2]
-    o_exact, lse = attention(q, k, v, scale, causal=causal, window_size=window_size)
+    o_exact, lse = attention(q, k, v, scale, causal=causal, window_size=window_size, learnable_sink=learnable_sink)
     o = o_exact if o is None else o.to(torch.float64)
+    if learnable_sink is not None:  # the sink joins the normalizer: P below is the softmax over keys and sink
+        lse = torch.logaddexp(lse, learnable_sink.to(torch.float64)[None, :, None])
     s = qk_scores(q, k, scale)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # hidden keys: exp(-inf) = 0; empty rows: NaN -> 0
     left, right = window_size
@@ -200,4 +206,7 @@ def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causa
     def per_kv_head(x):  # [b, sk, h, d] -> [b, sk, hk, d]: the sum over each KV head's group
         return x.unflatten(2, (hk, h // hk)).sum(3)
 
-    return dq, per_kv_head(dk), per_kv_head(dv)
+    if learnable_sink is None:
+        return dq, per_kv_head(dk), per_kv_head(dv)
+    p_sink = torch.exp(learnable_sink.to(torch.float64)[None, :, None] - lse).nan_to_num(0.0)  # [b, h, sq]
+    return dq, per_kv_head(dk), per_kv_head(dv), -(p_sink * dsum).sum((0, 2))

@@ -5,9 +5,12 @@ The first step of issue 44: head dims 64 and 128, bf16 / fp16, GQA / MQA (the gr
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
 convention), on Hopper (sm90.py). Three launches a call: D = rowsum(dO * O) and the padded LSE
 (torch, elementwise), the kernel (dK, dV complete; dQ accumulated in fp32 across KV tiles), and
-dQ's rounding to q's dtype (torch). The sm100 kernel, head dims 256 and 512, the sink's gradient,
-variable-length batches and DeepSeek-V4's gathered entries are not built yet: those calls refuse
-gradients (common/autograd.py), never return a silent missing one.
+dQ's rounding to q's dtype (torch). The attention sink (stage D5's ``learnable_sink``) is one
+more key with value 0: the kernel runs unchanged on LSE' = logaddexp(LSE, sink[h]) and the
+sink-scaled O, and the sink's gradient, - sum over rows of exp(sink[h] - LSE') D, is a reduction
+on the host. The sm100 kernel, head dims 256 and 512, variable-length batches and DeepSeek-V4's
+gathered entries are not built yet: those calls refuse gradients (common/autograd.py), never
+return a silent missing one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
 from dsv4_attention.common.bench import visible_pairs
-from dsv4_attention.common.validation import check_out, check_qkv, check_scale, check_window
+from dsv4_attention.common.validation import check_out, check_qkv, check_scale, check_sink, check_window
 
 ID = "f"
 NAME = "backward"
@@ -53,9 +56,9 @@ def _clamp(bound, limit: int) -> int:
 
 
 def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal: bool = False,
-             window_size=(None, None), dk_out=None, dv_out=None):
-    """Gradients of ``o = attention(q, k, v, softmax_scale, causal, window_size)`` (the loss's
-    gradient reaches o only: LSE is an output without one).
+             window_size=(None, None), learnable_sink=None, dk_out=None, dv_out=None):
+    """Gradients of ``o = attention(q, k, v, softmax_scale, causal, window_size, learnable_sink)``
+    (the loss's gradient reaches o only: LSE is an output without one).
 
     Args:
         q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head_dim 64 or 128.
@@ -64,10 +67,13 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
             log; -inf where a row saw no key).
         do: the gradient of the loss with respect to o, like q.
         softmax_scale, causal, window_size: the forward's.
+        learnable_sink: the forward's [heads] fp32 sink, or None; then o is the sink-scaled output
+            and lse the LSE without the sink, as the forward returns them.
         dk_out, dv_out: outputs to write (like k, contiguous).
 
     Returns:
-        (dq, dk, dv) like q, k, v. Where v is k, the caller adds dk and dv (autograd does).
+        (dq, dk, dv) like q, k, v; with a sink (dq, dk, dv, dsink), dsink [heads] fp32. Where v is
+        k, the caller adds dk and dv (autograd does).
 
     Raises:
         ValueError: before any launch, for an input the kernel does not serve, naming it.
@@ -84,6 +90,9 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     scale = check_scale(softmax_scale, q.shape[3])
     left, right = check_window(causal, window_size)
     b, sq, h, d = q.shape
+    if learnable_sink is not None:
+        check_sink(learnable_sink, h, q.device)
+        lse = torch.logaddexp(lse, learnable_sink[None, :, None])  # the sink joins the normalizer
     rows = padded_rows(sq)
     # LSE in the exp2 domain; a row that saw no key gets +inf, so its P is 0 and so are its gradients
     lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32, device=q.device)
@@ -100,7 +109,11 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, float(scale * LOG2E), float(scale),
             _clamp(left, limit), _clamp(right, limit), jit.STREAM]
     jit.launch(ID, KERNELS, arch, q.dtype, d, args, {"has_left": left is not None, "has_right": right is not None})
-    return dq_acc[:, :sq].to(q.dtype), dk, dv
+    if learnable_sink is None:
+        return dq_acc[:, :sq].to(q.dtype), dk, dv
+    # the sink's probability per row (0 where LSE' = -inf: neither a key nor a finite sink)
+    p_sink = torch.exp(learnable_sink[None, :, None] - lse).nan_to_num(0.0)
+    return dq_acc[:, :sq].to(q.dtype), dk, dv, -(p_sink * dsum[..., :sq]).sum((0, 2))
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None)) -> int:
