@@ -202,6 +202,45 @@ def test_autograd_through_attention(arch, head_dim, causal, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+def test_op_backward_and_torch_compile(arch, head_dim, record_errors):
+    """The custom op with q, k, v and the sink requiring grad: loss.backward() goes through the
+    f_backward op and equals the reference; torch.compile(fullgraph=True) of the same step (forward
+    op, loss) and its backward traces both ops with their fake implementations (no graph break) and
+    gives the eager gradients: dK, dV and dsink bitwise, dQ within its atomics' reordering."""
+    import dsv4_attention.stages.ops  # noqa: F401  (registers the ops)
+
+    q, k, v, g = attention_inputs(2, 300, 400, 4, 2, head_dim, torch.bfloat16)
+    do = random_bshd(2, 300, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32, device=q.device)
+
+    def step(q, k, v, sink):
+        o, _ = torch.ops.dsv4_attention.e_fused(q, k, v, causal=True, window_left=200, learnable_sink=sink)
+        return (o.float() * do.float()).sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    eager = grads(step)
+    o, _ = forward(q, k, v, causal=True, window_size=(200, None), learnable_sink=sink)
+    ref = reference.attention_backward(q, k, v, do, causal=True, window_size=(200, None), o=o,
+                                       learnable_sink=sink)
+    for name, out, r in zip(("dq", "dk", "dv"), eager[:3], ref[:3], strict=True):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, op=True, head_dim=head_dim)
+        assert e.within(2e-2, 8e-2), f"{name}: {e} (seed {g.initial_seed()})"
+    assert ((eager[3].double() - ref[3]).norm() / ref[3].norm()).item() <= SINK_REL
+    compiled = grads(torch.compile(step, fullgraph=True))
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), eager, compiled, strict=True):
+        if name == "dq":
+            assert errors(b, a.double()).rel_fro <= 1e-2, name
+        else:
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_dk_dv_bitwise_repeatable(arch):
     """dK and dV are summed in one CTA in a fixed order: bitwise equal across runs. dQ is summed
     across CTAs by atomics; its order varies, so only its error is bounded."""

@@ -87,13 +87,34 @@ def meta(*shape, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("stage_id", [s.id for s in ATTENTION])
 def test_ops_refuse_grad(stage_id):
+    """An option stage F's backward does not cover (seqused_k) refuses by the argument's name; a
+    dense call on tensors it does not serve (meta, not CUDA) refuses naming why."""
     q, k = meta(2, 10, 8, 128), meta(2, 30, 2, 128)
+    n = torch.empty(2, dtype=torch.int32, device="meta")
     k.requires_grad_(True)
-    with pytest.raises(NotDifferentiableError, match=r"op dsv4_attention::.* k requires grad"):
+    with pytest.raises(NotDifferentiableError, match=r"op dsv4_attention::.* has no backward yet, but k requires grad"):
+        ops.OPS[stage_id](q, k, k, seqused_k=n)
+    with pytest.raises(NotDifferentiableError, match=r"op dsv4_attention::.* cannot be differentiated here: .*CUDA"):
         ops.OPS[stage_id](q, k, k)
     with torch.no_grad():  # negative control: the op's fake forward runs
         o, _ = ops.OPS[stage_id](q, k, k)
     assert o.shape == q.shape
+
+
+@pytest.mark.parametrize("stage_id", [s.id for s in ATTENTION])
+def test_op_gradient_plumbing_on_meta(stage_id, monkeypatch):
+    """With stage F told it serves meta tensors, the attention ops' autograd rule saves what the
+    backward needs and routes loss.backward() through the f_backward op's fake implementation:
+    q, k (passed as k and v: both gradients into one leaf) and the sink get gradients of their
+    shapes and dtypes; LSE is not differentiable."""
+    monkeypatch.setattr(stages.get("f").module, "serves", lambda q, k, v: None)
+    q, k = meta(2, 10, 8, 128).requires_grad_(True), meta(2, 30, 2, 128).requires_grad_(True)
+    sink = meta(8, dtype=torch.float32).requires_grad_(True)
+    o, lse = ops.OPS[stage_id](q, k, k, causal=True, learnable_sink=sink)
+    assert o.grad_fn is not None and not lse.requires_grad
+    o.float().sum().backward()
+    assert q.grad.shape == q.shape and q.grad.dtype == q.dtype
+    assert k.grad.shape == k.shape and sink.grad.shape == (8,) and sink.grad.dtype == torch.float32
 
 
 def test_qk_and_index_ops_refuse_grad():

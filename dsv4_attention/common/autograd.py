@@ -14,9 +14,12 @@ argument that requires grad raises :class:`NotDifferentiableError`, naming the c
 argument, before any validation or launch. Under ``torch.no_grad()`` / ``torch.inference_mode()``,
 or with detached inputs, the calls run as before.
 
-The torch custom ops (stages/ops.py) get the same rule through their autograd registration
-(:func:`refuse_op_grad`): torch runs an op's autograd context after its forward, so there the
-error comes after the kernel ran, still at the forward call and never as a missing gradient.
+The torch custom ops (stages/ops.py) get the same rule through their autograd registration: the
+attention stages' ops are differentiable on the calls stage F serves (:func:`register_attention_op_grad`;
+the backward is the op ``dsv4_attention::f_backward``, with a fake implementation, so that
+``torch.compile(fullgraph=True)`` traces forward and backward), and refuse the rest; the other ops
+refuse (:func:`refuse_op_grad`). torch runs an op's autograd context after its forward, so there
+the error comes after the kernel ran, still at the forward call and never as a missing gradient.
 
 The backward (issue 44) replaces these refusals call by call; docs/training.md lists what is
 differentiable.
@@ -62,6 +65,48 @@ def refuse_op_grad(op, what: str) -> None:
 
     def backward(ctx, *grads):  # never reached: setup_context always raises
         raise NotDifferentiableError(_message(what, "an input"))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+#: the attention ops' arguments that stage F's backward does not cover: a call with one of them
+#: given (not None) refuses gradients
+_OP_UNCOVERED = ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "compressed_kv", "compress_ratio", "topk_indices",
+                 "kv_start", "positions", "cu_seqlens_compressed")
+
+
+def register_attention_op_grad(op, what: str, backward_op) -> None:
+    """Register on the attention op ``op`` (stages/ops.py's shared schema) the autograd rule of
+    dense attention: where stage F serves the call (no option of ``_OP_UNCOVERED``, one split,
+    ``serves(q, k, v)``), save q, k, v, O, LSE and the sink and run ``backward_op`` (q, k, v, o, lse,
+    do, softmax_scale, causal, window_left, window_right, learnable_sink) -> (dq, dk, dv, dsink) in
+    backward; elsewhere raise :class:`NotDifferentiableError` naming the input that requires grad.
+    LSE is marked non-differentiable, as in :func:`dense_attention`."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+
+    def setup_context(ctx, inputs, output):
+        args = dict(zip(names, inputs, strict=False))
+        grad_names = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        uncovered = [n for n in _OP_UNCOVERED if args.get(n) is not None]
+        if uncovered or args.get("num_splits") not in (1, None) or set(grad_names) - {"q", "k", "v", "learnable_sink"}:
+            raise NotDifferentiableError(_message(what, grad_names[0] if grad_names else "an input"))
+        from dsv4_attention import stages
+
+        why = stages.get("f").module.serves(args["q"], args["k"], args["v"])
+        if why is not None:
+            raise NotDifferentiableError(f"{what} cannot be differentiated here: {why}. Call it under torch.no_grad() "
+                                         f"or with detached inputs (docs/training.md)")
+        o, lse = output
+        ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("learnable_sink"))
+        ctx.options = (args.get("softmax_scale"), bool(args.get("causal")), args.get("window_left"),
+                       args.get("window_right"))
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = backward_op(q, k, v, o, lse, do.contiguous(), *ctx.options, sink)
+        grads = dict(q=dq, k=dk, v=dv, learnable_sink=dsink if sink is not None else None)
+        return tuple(grads.get(n) for n in names)
 
     op.register_autograd(backward, setup_context=setup_context)
 

@@ -19,8 +19,19 @@ Each op has a fake (meta) implementation that gives the outputs' shapes and dtyp
 o like q (contiguous), lse [batch, heads, seqlen_q] fp32 ([heads, total_q] for a variable-length
 batch, q [total_q, heads, d]); stage A's scores [batch, heads, seqlen_q, seqlen_k] fp32. The ops
 never alias or mutate their inputs. K = V is still detected from the tensors the op receives
-(the same tensor passed as k and v). No op has a backward yet: each one's autograd rule raises
-``NotDifferentiableError`` when an input requires grad under grad mode (common/autograd.py).
+(the same tensor passed as k and v).
+
+Gradients (common/autograd.py): the attention stages' ops are differentiable in q, k, v and
+``learnable_sink`` where stage F's backward serves the call (dense attention with a scale, causal,
+a window and the sink; sm90, head dims 64 / 128), through the op
+
+    dsv4_attention::f_backward(q, k, v, o, lse, do, softmax_scale=None, causal=False,
+                               window_left=None, window_right=None, learnable_sink=None)
+        -> (dq, dk, dv, dsink)          (dsink [heads] fp32; empty without a sink)
+
+which has a fake implementation, so ``torch.compile(fullgraph=True)`` traces forward and
+backward. Any other call with an input that requires grad under grad mode raises
+``NotDifferentiableError`` from the op's autograd rule, as do stage A's op and the index op.
 """
 
 import inspect
@@ -28,7 +39,7 @@ import inspect
 import torch
 
 from dsv4_attention import stages
-from dsv4_attention.common.autograd import refuse_op_grad
+from dsv4_attention.common.autograd import refuse_op_grad, register_attention_op_grad
 
 NAMESPACE = "dsv4_attention"
 OPS: dict = {}
@@ -69,6 +80,28 @@ def _stage_kwargs(stage, softmax_scale, causal, window_left, window_right, sequs
     return kwargs
 
 
+@torch.library.custom_op(f"{NAMESPACE}::f_backward", mutates_args=(), device_types="cuda")
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       do: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
+                       window_left: int | None = None, window_right: int | None = None,
+                       learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor]:
+    """Stage F's backward as an op: (dq, dk, dv, dsink); dsink is empty ([0] fp32) without a sink."""
+    grads = stages.get("f").module.backward(q, k, v, o, lse, do, softmax_scale=softmax_scale, causal=causal,
+                                            window_size=(window_left, window_right), learnable_sink=learnable_sink)
+    dsink = grads[3] if learnable_sink is not None else q.new_empty((0,), dtype=torch.float32)
+    return grads[0], grads[1], grads[2], dsink
+
+
+@attention_backward.register_fake
+def _(q, k, v, o, lse, do, softmax_scale=None, causal=False, window_left=None, window_right=None,
+      learnable_sink=None):
+    dsink = q.new_empty((0,) if learnable_sink is None else tuple(learnable_sink.shape), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), dsink)
+
+
 def _register_attention(stage):
     name = f"{NAMESPACE}::{stage.id}_{stage.name}"
 
@@ -101,7 +134,7 @@ def _register_attention(stage):
         b, sq, h, _ = q.shape
         return o, q.new_empty((b, h, sq), dtype=torch.float32)
 
-    refuse_op_grad(op, f"op {name}")
+    register_attention_op_grad(op, f"op {name}", attention_backward)
     return op
 
 
