@@ -95,6 +95,11 @@ def test_nested_elects():
     assert nested_elects(fixed) == []
     store = "\n".join(lines[4:9] + [ln.replace("BB0_56", "BB0_58") for ln in lines[4:9]])  # two regions in a row
     assert nested_elects(store) == []
+    # an if-else's elected arm ending in bra.uni to the join, the other arm (with its own regions) after
+    # it, as in stage E's producer: not nested
+    arms = "\n".join(lines[4:8] + ["\tbra.uni \t$L__BB0_56;", "$L__BB0_60:"] +
+                     [ln.replace("BB0_56", "BB0_58") for ln in lines[4:9]] + ["$L__BB0_56:"])
+    assert nested_elects(arms) == []
 
 
 def test_report_staleness(tmp_path):

@@ -104,6 +104,7 @@ def parse_ptxas(text: str) -> dict:
 
 _ELECT = re.compile(r"^\s*elect\.sync\s+%\w+\|(%p\d+)")
 _SKIP = re.compile(r"^\s*@!?%p\d+\s+bra(?:\.uni)?\s+(\$?\w+);")
+_BRANCH = re.compile(r"^bra(?:\.uni)?\s")  # unpredicated
 
 
 def nested_elects(ptx: str) -> list:
@@ -112,17 +113,24 @@ def nested_elects(ptx: str) -> list:
     ``elect_one`` lowers to ``elect.sync`` with the full mask and a branch that sends the other
     lanes to a label past the region. Some DSL copies (the TMA reduce-add, ``cp.reduce.async.bulk``)
     elect a lane themselves; inside ``elect_one`` that second ``elect.sync`` runs on one lane with a
-    full mask, and the warp hangs (stage F's dQ warp did, on an H200). A region is the lines from an
-    ``elect.sync`` to the label its skip branch (within the next three lines) jumps to."""
+    full mask, and the warp hangs (stage F's dQ warp did, on an H200). A region is the straight-line
+    code after an ``elect.sync`` and its skip branch (within the next three lines), up to the label
+    that branch jumps to or an unconditional branch (ptxas places an if-else's arms one after the
+    other: the elected arm ends with ``bra.uni`` to the join)."""
     lines = ptx.splitlines()
-    labels = {ln.split(":", 1)[0].strip(): i for i, ln in enumerate(lines) if re.match(r"^\$?\w+:", ln.strip())}
     out = []
     for i, ln in enumerate(lines):
         if not _ELECT.match(ln):
             continue
         skip = next((m.group(1) for m in map(_SKIP.match, lines[i + 1:i + 4]) if m), None)
-        end = labels.get(skip, -1) if skip else -1
-        out += [j + 1 for j in range(i + 1, end) if _ELECT.match(lines[j])]
+        if skip is None:
+            continue
+        for j in range(i + 1, len(lines)):
+            text = lines[j].strip()
+            if text.startswith(skip + ":") or _BRANCH.match(text):
+                break
+            if _ELECT.match(lines[j]):
+                out.append(j + 1)
     return sorted(set(out))
 
 
