@@ -1,7 +1,8 @@
 """Stage F compiles for sm_90a within the budgets every kernel keeps (common/compile.py): under
 30 s with the file cache off, SMEM within the limit, a setmaxnreg split the launch holds, no
 serialized wgmma, no spills (with dQ added by red.global.add per element, hd 128 spilled 12-24
-bytes: the address arithmetic; the dQ warp's TMA reduction removed it). No sm100 kernel yet:
+bytes: the address arithmetic; the dQ warp's TMA reduction removed it), no elect.sync nested in
+another's region (the dQ warp's first hang). The deterministic variant (dQ's turns) too. No sm100 kernel yet:
 the backward refuses Blackwell tensors (stages/f_backward/__init__.py)."""
 
 import pytest
@@ -12,10 +13,11 @@ from dsv4_attention.stages import f_backward as stage
 pytestmark = [pytest.mark.stage_f, pytest.mark.arch("sm90")]  # the arch names the status table's row
 
 
-
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
-@pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True}], ids=["dense", "window"])
+@pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True},
+                                     {"has_left": True, "has_right": True, "deterministic": True}],
+                         ids=["dense", "window", "window_deterministic"])
 def test_compiles_within_budget(dtype, head_dim, options):
     assert_within_budget(stage.ID, "sm90", dtype, head_dim, options=options)

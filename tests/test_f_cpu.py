@@ -23,7 +23,7 @@ from dsv4_attention import attention
 from dsv4_attention.common import reference
 from dsv4_attention.common.autograd import NotDifferentiableError
 from dsv4_attention.stages import f_backward as stage
-from dsv4_attention.stages.f_backward.span import q_tile_range
+from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range
 
 pytestmark = [pytest.mark.stage_f]
 
@@ -131,6 +131,36 @@ def span_failures(span) -> list:
                 if not want <= got or (want and got != set(range(min(want), max(want) + 1))) or (not want and got):
                     bad.append((sq, sk, left, right, n, sorted(want)[:3], (lo, hi)))
     return bad
+
+
+def first_tile_failures(first) -> list:
+    """Q tiles m whose first visiting KV tile (by q_tile_range, brute force over n) is not
+    ``first(m, ...)``, over the span test's shapes and windows; also checks the visiting tiles are
+    consecutive, which the deterministic order relies on."""
+    bad = []
+    for sq, sk in ((1, 1), (64, 128), (300, 1000), (1000, 300), (129, 257), (700, 700)):
+        for left, right in ((None, None), (None, 0), (0, 0), (127, 0), (50, 30), (None, 5), (0, None), (3000, 3000)):
+            visitors: dict = {}
+            for n in range(-(-sk // 128)):
+                lo, hi = q_tile_range(n, 128, 64, sq, sk, left or 0, right or 0, left is not None, right is not None)
+                for m in range(lo, hi):
+                    visitors.setdefault(m, []).append(n)
+            for m, ns in visitors.items():
+                got = first(m, 128, 64, sq, sk, left or 0, left is not None)
+                if ns != list(range(ns[0], ns[-1] + 1)) or got != ns[0]:
+                    bad.append((sq, sk, left, right, m, ns[:3], got))
+    return bad
+
+
+def test_first_kv_tile_is_the_first_visitor():
+    assert not first_tile_failures(first_kv_tile)
+
+
+def test_first_tile_checker_rejects_a_formula_without_the_offset():
+    def no_offset(m, tile_n, tile_m, sq, sk, left, has_left):
+        return first_kv_tile(m, tile_n, tile_m, sk, sk, left, has_left)
+
+    assert first_tile_failures(no_offset)
 
 
 def test_q_tile_range_is_the_visible_tiles():

@@ -12,7 +12,8 @@ sequence lengths that are not multiples of the 64 x 128 tile, several KV tiles a
 GQA / MQA, K = V, causal and windows (rows with no visible key: gradient 0), scores with large
 magnitude, dO with outliers, the sink (its gradient against the float64 reference's; a -inf sink
 and a dominant one), the autograd path through ``attention`` (the sink's included), dK / dV
-bitwise repeatable (dQ accumulates by TMA reduce-adds in any order: not bitwise), compute-sanitizer.
+bitwise repeatable (dQ accumulates by TMA reduce-adds in any order: not bitwise, unless
+``deterministic``, which makes every gradient bitwise repeatable), compute-sanitizer.
 """
 
 import math
@@ -241,9 +242,40 @@ def test_op_backward_and_torch_compile(arch, head_dim, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("lengths,mask", [((1000, 1500), dict(causal=True)), ((777, 1300), dict(window_size=(300, 50))),
+                                          ((640, 900), dict())],
+                         ids=["causal", "window", "full"])
+def test_deterministic_is_bitwise_repeatable(arch, head_dim, lengths, mask, record_errors):
+    """deterministic=True: dQ's partial sums added KV tile by KV tile, so dQ (and dK, dV) are the
+    same bits on every run, and correct; torch.use_deterministic_algorithms(True) selects it.
+    Many KV tiles per Q tile (12 at 1500 keys), GQA, a window whose first tile is not 0."""
+    sq, sk = lengths
+    q, k, v, g = attention_inputs(2, sq, sk, 8, 2, head_dim, torch.bfloat16)
+    do = random_bshd(2, sq, 8, head_dim, torch.bfloat16, q.device, generator=g)
+    o, lse = forward(q, k, v, **mask)
+    first = stage.backward(q, k, v, o, lse, do, deterministic=True, **mask)
+    for _ in range(4):
+        again = stage.backward(q, k, v, o, lse, do, deterministic=True, **mask)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), "deterministic dQ differs"
+    torch.use_deterministic_algorithms(True)
+    try:
+        by_torch = stage.backward(q, k, v, o, lse, do, **mask)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, by_torch, strict=True))
+    given_o = reference.attention_backward(q, k, v, do, o=o, **mask)
+    for name, out, r in zip(("dq", "dk", "dv"), first, given_o, strict=True):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, deterministic=True, head_dim=head_dim, **{n: str(x) for n, x in mask.items()})
+        assert e.within(2e-2, 8e-2), f"{name}: {e} (seed {g.initial_seed()})"
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_dk_dv_bitwise_repeatable(arch):
-    """dK and dV are summed in one CTA in a fixed order: bitwise equal across runs. dQ is summed
-    across CTAs by atomics; its order varies, so only its error is bounded."""
+    """dK and dV are summed in one CTA in a fixed order: bitwise equal across runs, also without
+    deterministic mode. dQ is then summed across CTAs by TMA reduce-adds in any order, so only its
+    error is bounded (deterministic mode: the test above)."""
     q, k, v, g = attention_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
     do = random_bshd(2, 1000, 8, 128, torch.bfloat16, q.device, generator=g)
     o, lse = forward(q, k, v, causal=True)
@@ -287,6 +319,7 @@ do = random_bshd(1, 200, 4, 128, torch.bfloat16, q.device, generator=g)
 with torch.no_grad():
     o, lse = e_fused.forward(q, k, v, causal=True)
 f_backward.backward(q, k, v, o, lse, do, causal=True)
+f_backward.backward(q, k, v, o, lse, do, causal=True, deterministic=True)
 """
 
 test_compute_sanitizer = sanitizer_test(SANITIZED)

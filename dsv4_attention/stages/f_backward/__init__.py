@@ -5,7 +5,9 @@ The first step of issue 44: head dims 64 and 128, bf16 / fp16, GQA / MQA (the gr
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
 convention), on Hopper (sm90.py). Three launches a call: D = rowsum(dO * O) and the padded LSE
 (torch, elementwise), the kernel (dK, dV complete; dQ accumulated in fp32 across KV tiles), and
-dQ's rounding to q's dtype (torch). The attention sink (stage D5's ``learnable_sink``) is one
+dQ's rounding to q's dtype (torch). ``deterministic`` (or ``torch.use_deterministic_algorithms``)
+adds dQ's partial sums KV tile by KV tile (a counter per Q tile), so every gradient is bitwise
+repeatable. The attention sink (stage D5's ``learnable_sink``) is one
 more key with value 0: the kernel runs unchanged on LSE' = logaddexp(LSE, sink[h]) and the
 sink-scaled O, and the sink's gradient, - sum over rows of exp(sink[h] - LSE') D, is a reduction
 on the host. The sm100 kernel, head dims 256 and 512, variable-length batches and DeepSeek-V4's
@@ -43,7 +45,8 @@ def example_args(dtype: torch.dtype, head_dim: int, **_):
     rows = 320
     stats = torch.empty(2, 4, rows, dtype=torch.float32)
     return [q, k, k.clone(), q.clone(), stats, stats.clone(), torch.empty(2, rows, 4, head_dim, dtype=torch.float32),
-            k.clone(), k.clone(), 0.125 * LOG2E, 0.125, 0, 0, jit.STREAM]
+            k.clone(), k.clone(), torch.empty(2, 4, rows // TILE_M, dtype=torch.int32), 0.125 * LOG2E, 0.125, 0, 0,
+            jit.STREAM]
 
 
 def padded_rows(seqlen_q: int) -> int:
@@ -56,7 +59,8 @@ def _clamp(bound, limit: int) -> int:
 
 
 def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal: bool = False,
-             window_size=(None, None), learnable_sink=None, dk_out=None, dv_out=None):
+             window_size=(None, None), learnable_sink=None, deterministic: bool | None = None, dk_out=None,
+             dv_out=None):
     """Gradients of ``o = attention(q, k, v, softmax_scale, causal, window_size, learnable_sink)``
     (the loss's gradient reaches o only: LSE is an output without one).
 
@@ -69,6 +73,10 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         softmax_scale, causal, window_size: the forward's.
         learnable_sink: the forward's [heads] fp32 sink, or None; then o is the sink-scaled output
             and lse the LSE without the sink, as the forward returns them.
+        deterministic: add dQ's partial sums in a fixed order (KV tile by KV tile), so that every
+            gradient is bitwise repeatable; slower (a KV tile waits for the previous one's sum).
+            dK and dV are repeatable either way. None (the default): torch's setting,
+            ``torch.use_deterministic_algorithms``.
         dk_out, dv_out: outputs to write (like k, contiguous).
 
     Returns:
@@ -106,9 +114,14 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk_out is None else dk_out
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dv_out is None else dv_out
     limit = sq + k.shape[1]
-    args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, float(scale * LOG2E), float(scale),
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    # deterministic dQ: per (batch, head, Q tile), how many KV tiles have added their sum
+    turns = torch.zeros((b, h, rows // TILE_M) if deterministic else (1, 1, 1), dtype=torch.int32, device=q.device)
+    args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, turns, float(scale * LOG2E), float(scale),
             _clamp(left, limit), _clamp(right, limit), jit.STREAM]
-    jit.launch(ID, KERNELS, arch, q.dtype, d, args, {"has_left": left is not None, "has_right": right is not None})
+    options = {"has_left": left is not None, "has_right": right is not None, "deterministic": bool(deterministic)}
+    jit.launch(ID, KERNELS, arch, q.dtype, d, args, options)
     if learnable_sink is None:
         return dq_acc[:, :sq].to(q.dtype), dk, dv
     # the sink's probability per row (0 where LSE' = -inf: neither a key nor a finite sink)

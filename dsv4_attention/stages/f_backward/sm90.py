@@ -100,7 +100,7 @@ from dsv4_attention.common.sm90_gemm import (
     tile_tma_partition,
 )
 from dsv4_attention.common.softmax import acc_cols_view
-from dsv4_attention.stages.f_backward.span import q_tile_range, visit
+from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range, visit
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WG = 2  # consumer warpgroups: 128 keys
@@ -126,6 +126,7 @@ class FlashAttentionBackwardSm90:
         *,
         has_left: bool = False,
         has_right: bool = False,
+        deterministic: bool = False,
         tile_m: int = 64,
         tile_n: int = NUM_WG * WGMMA_M,
         stages: int = 2,
@@ -140,6 +141,7 @@ class FlashAttentionBackwardSm90:
         self.head_dim = head_dim
         self.has_left = has_left
         self.has_right = has_right
+        self.deterministic = deterministic
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
@@ -164,6 +166,7 @@ class FlashAttentionBackwardSm90:
         mdQacc: cute.Tensor,  # (batch, rows, heads, d) fp32, zeroed: dQ accumulates here
         mdK: cute.Tensor,  # like mK
         mdV: cute.Tensor,
+        mSem: cute.Tensor,  # (batch, heads, Q tiles) int32, zeroed: dQ's turns (deterministic only)
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -227,7 +230,7 @@ class FlashAttentionBackwardSm90:
             sdp_mma, dkv_mma, dq_mma,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, tma_atom_dq, tma_dq,
-            tma_atom_lse, tma_lse, tma_atom_d, tma_d, scale_log2, scale, left, right, seqlen_q, seqlen_k,
+            tma_atom_lse, tma_lse, tma_atom_d, tma_d, mSem, scale_log2, scale, left, right, seqlen_q, seqlen_k,
             sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout, sdQ_layout, sStat_layout,
         ).launch(
             grid=grid,
@@ -260,6 +263,7 @@ class FlashAttentionBackwardSm90:
         mLSE2: cute.Tensor,  # TMA coordinates, (rows, heads, batch)
         tma_atom_d: cute.CopyAtom,
         mD: cute.Tensor,
+        mSem: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -328,7 +332,8 @@ class FlashAttentionBackwardSm90:
                           tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV,
                           tma_atom_lse, mLSE2, sLSE, tma_atom_d, mD, sD)
             if warp_idx == 1:
-                self.store_dq(tma_atom_dq, mdQacc, sdQ, head_kv, batch, group, m_lo, m_count, visits)
+                self.store_dq(tma_atom_dq, mdQacc, sdQ, mSem, n_block, head_kv, batch, group, m_lo, m_count, visits,
+                              left, seqlen_q, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
@@ -406,17 +411,28 @@ class FlashAttentionBackwardSm90:
         tma_atom_dq: cute.CopyAtom,
         mdQacc: cute.Tensor,
         sdQ: cute.Tensor,
+        mSem: cute.Tensor,
+        n_block: cutlass.Int32,
         head_kv: cutlass.Int32,
         batch: cutlass.Int32,
         group: cutlass.Int32,
         m_lo: cutlass.Int32,
         m_count: cutlass.Int32,
         visits: cutlass.Int32,
+        left: cutlass.Int32,
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
     ):
         """Warp 1: each visit's dQ partial sum, once the consumers have written it to sdQ, added
         into the fp32 accumulator by one TMA reduction; sdQ handed back once the reduction has read
         it (DQ_EMPTY: one arrival up front, then one per visit but the last, so that every arrival
-        meets a consumer's sync)."""
+        meets a consumer's sync).
+
+        Deterministic: the KV tiles that visit a Q tile add their sums in KV-tile order. Counter
+        mSem[b, h, m] holds how many have added; KV tile n waits (acquire) until it equals
+        n - first_kv_tile(m), adds, waits for the reduction to land in global memory, and
+        increments it (release). A CTA waits only for CTAs of lower block index (the KV tile is the
+        grid's fastest dimension), which the GPU schedules first: no cycle."""
         if visits > 0:
             cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
         for it in cutlass.range(visits, unroll=1):
@@ -427,9 +443,24 @@ class FlashAttentionBackwardSm90:
             # the reduce copy elects its own lane: inside elect_one its elect.sync would run on one
             # lane with a full mask and hang (tests/test_f_compile.py checks the PTX for it). Every
             # lane commits and waits; the lanes that issued nothing wait on empty groups.
+            if cutlass.const_expr(self.deterministic):
+                turns = mSem[batch, head, None].iterator + m_block
+                mine = n_block - first_kv_tile(m_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left,
+                                               self.has_left)
+                seen = cute.arch.load(turns, cutlass.Int32, sem="acquire", scope="gpu")
+                while seen != mine:
+                    seen = cute.arch.load(turns, cutlass.Int32, sem="acquire", scope="gpu")
+                cute.arch.fence_proxy("async.global")  # the earlier tiles' sums before this reduction
             cute.copy(tma_atom_dq, tQsdQ[None, 0], tQgdQ[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0)  # the sum is in global memory, not only read
+                cute.arch.fence_proxy("async.global")
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.atomic_add(turns, cutlass.Int32(1), sem="release", scope="gpu")
+                cute.arch.sync_warp()
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             if it + 1 < visits:
                 cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
 

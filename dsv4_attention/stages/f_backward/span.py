@@ -12,6 +12,11 @@ offset = seqlen_k - seqlen_q. The KV tile visits Q tiles [i_lo // tile_m, ceil(i
 none when i_end <= i_lo: its dK and dV are then 0. The host clamps left and right to at most
 seqlen_q + seqlen_k (a wider bound hides nothing), so no sum here leaves int32.
 
+The other way round (deterministic dQ, ``first_kv_tile``): m_lo and m_hi grow with the KV tile,
+so the KV tiles that visit Q tile m are consecutive, from the first whose i_end passes m tile_m:
+k_hi + left - offset + 1 > m tile_m, i.e. n >= floor((m tile_m - left + offset) / tile_n)
+(0 without a left bound, or when that is negative).
+
 Plain integer arithmetic (``cutlass.min`` / ``cutlass.max`` on Python ints and DSL integers
 alike): the kernel traces it and tests/test_f_span.py checks it against every (query, key).
 """
@@ -44,3 +49,12 @@ def q_tile_range(n_block, tile_n: int, tile_m: int, seqlen_q, seqlen_k, left, ri
     # i_end may be negative (every query hidden): any rounding of it then stays <= m_lo
     m_hi = cutlass.max((i_end + tile_m - 1) // tile_m, m_lo)
     return m_lo, m_hi
+
+
+def first_kv_tile(m_block, tile_n: int, tile_m: int, seqlen_q, seqlen_k, left, has_left: bool):
+    """The first KV tile whose backward visits Q tile ``m_block`` (the visiting tiles are
+    consecutive from it): deterministic dQ adds KV tile n's partial sum n - first_kv_tile(m) th."""
+    first = 0
+    if has_left:
+        first = cutlass.max(m_block * tile_m - left + seqlen_k - seqlen_q, 0) // tile_n
+    return first
