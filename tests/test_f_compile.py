@@ -2,7 +2,8 @@
 30 s with the file cache off, SMEM within the limit, a setmaxnreg split the launch holds, no
 serialized wgmma, no spills (with dQ added by red.global.add per element, hd 128 spilled 12-24
 bytes: the address arithmetic; the dQ warp's TMA reduction removed it), no elect.sync nested in
-another's region (the dQ warp's first hang). The deterministic variant (dQ's turns) too. No sm100 kernel yet:
+another's region (the dQ warp's first hang). The deterministic variant (dQ's turns) and the
+per-batch key counts (seqused_k) too. No sm100 kernel yet:
 the backward refuses Blackwell tensors (stages/f_backward/__init__.py)."""
 
 import pytest
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.stage_f, pytest.mark.arch("sm90")]  # the arch names t
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 @pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True},
-                                     {"has_left": True, "has_right": True, "deterministic": True}],
-                         ids=["dense", "window", "window_deterministic"])
+                                     {"has_left": True, "has_right": True, "deterministic": True},
+                                     {"has_right": True, "has_seqused": True}],
+                         ids=["dense", "window", "window_deterministic", "causal_seqused"])
 def test_compiles_within_budget(dtype, head_dim, options):
     assert_within_budget(stage.ID, "sm90", dtype, head_dim, options=options)

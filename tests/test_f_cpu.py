@@ -71,6 +71,27 @@ def test_reference_sink_backward_is_autograds(case):
     assert not torch.allclose(dq0, q.grad)
 
 
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(4, 2))],
+                         ids=["full", "causal", "window"])
+def test_reference_backward_with_seqused_k_is_autograds(case):
+    """seqused_k = [13, 11]: batch 1's last two keys hidden, its queries aligned to key 10 (the
+    reference's visibility); their gradients 0. Autograd through the forward reference agrees."""
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    do = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g)
+    used = torch.tensor([13, 11], dtype=torch.int32)
+    o, _ = reference.attention(q, k, v, 0.3, seqused_k=used, **case)
+    o.backward(do)
+    dq, dk, dv = reference.attention_backward(q.detach(), k.detach(), v.detach(), do, 0.3, seqused_k=used, **case)
+    for mine, theirs in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(mine, theirs)
+    assert (dk[1, 11:] == 0).all() and (dv[1, 11:] == 0).all()
+    dq_full, *_ = reference.attention_backward(q.detach(), k.detach(), v.detach(), do, 0.3, **case)
+    assert not torch.allclose(dq_full[1], dq[1])  # negative control: the lengths matter
+
+
 def test_reference_sink_backward_with_empty_rows_and_a_minus_inf_sink():
     """Rows 0-2 see no key (causal, 6 queries over 3 keys); head 1's sink is -inf (FlashMLA's
     tests use it for 'no sink'): every gradient is finite, the empty rows' dQ is 0, a -inf sink's
@@ -123,7 +144,7 @@ def span_failures(span) -> list:
     bad = []
     for sq, sk in ((1, 1), (64, 128), (300, 1000), (1000, 300), (129, 257), (700, 700)):
         for left, right in ((None, None), (None, 0), (0, 0), (127, 0), (50, 30), (None, 5), (0, None), (3000, 3000)):
-            for n in range(-(-sk // 128)):
+            for n in range(-(-sk // 128) + 2):  # and tiles past the keys (seqused_k < the tensor's length)
                 want = brute_tiles(n, sq, sk, left, right)
                 lo, hi = span(n, 128, 64, sq, sk, left or 0, right or 0, left is not None, right is not None)
                 got = set(range(lo, hi))
@@ -230,4 +251,4 @@ def test_unsupported_options_are_still_refused():
     with pytest.raises(NotDifferentiableError, match="attention has no backward yet, but k requires grad"):
         attention(q, k, v, out=torch.empty_like(q))
     with pytest.raises(NotDifferentiableError, match="attention has no backward yet"):
-        attention(q, k, v, seqused_k=torch.tensor([16], dtype=torch.int32))
+        attention(q, k, v, positions=torch.arange(8, dtype=torch.int32)[None])

@@ -152,17 +152,36 @@ def test_sink_gradient(arch, head_dim, lengths, mask, record_errors):
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(100, 0))],
+                         ids=["full", "causal", "window"])
+def test_seqused_k(arch, head_dim, mask, record_errors):
+    """seqused_k = [600, 0, 257, 1000] of 1000 keys: each batch's keys are its first seqused_k[b]
+    (its queries aligned to them), the others get dK = dV = 0; batch 1 sees no key at all (every
+    gradient 0). KV tiles past a batch's keys visit nothing."""
+    q, k, v, g = attention_inputs(4, 300, 1000, 4, 2, head_dim, torch.bfloat16)
+    do = random_bshd(4, 300, 4, head_dim, torch.bfloat16, q.device, generator=g)
+    used = torch.tensor([600, 0, 257, 1000], dtype=torch.int32, device=q.device)
+    dq, dk, dv = check_backward(q, k, v, do, record_errors, g, seqused_k=used, **mask)
+    for b, n in enumerate(used.tolist()):
+        assert bool((dk[b, n:] == 0).all() and (dv[b, n:] == 0).all()), f"batch {b}: keys past {n} got gradients"
+    assert bool((dq[1] == 0).all())
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 def test_autograd_through_attention_with_sink(arch, head_dim, record_errors):
-    """q, k, v and the sink requiring grad: loss.backward() reaches all four, equal to the
-    reference's; the sink alone requiring grad gets its gradient too."""
+    """q, k, v and the sink requiring grad, with seqused_k: loss.backward() reaches all four, equal
+    to the reference's; the sink alone requiring grad gets its gradient too."""
     q, k, v, g = attention_inputs(2, 300, 400, 4, 2, head_dim, torch.bfloat16)
     do = random_bshd(2, 300, 4, head_dim, torch.bfloat16, q.device, generator=g)
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32, device=q.device)
+    used = torch.tensor([400, 333], dtype=torch.int32, device=q.device)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
-    o, lse = attention(*leaves[:3], causal=True, learnable_sink=leaves[3])
+    o, lse = attention(*leaves[:3], causal=True, learnable_sink=leaves[3], seqused_k=used)
     assert o.grad_fn is not None and not lse.requires_grad
     (o.float() * do.float()).sum().backward()
-    ref = reference.attention_backward(q, k, v, do, causal=True, o=o.detach(), learnable_sink=sink)
+    ref = reference.attention_backward(q, k, v, do, causal=True, o=o.detach(), learnable_sink=sink,
+                                       seqused_k=used)
     for name, out, r in zip(("dq", "dk", "dv"), [t.grad for t in leaves[:3]], ref[:3], strict=True):
         e = errors(out, r, row_floor=ROW_FLOOR)
         record_errors(e, grad=name, sink=True, causal=True, head_dim=head_dim)
@@ -170,7 +189,7 @@ def test_autograd_through_attention_with_sink(arch, head_dim, record_errors):
     rel = ((leaves[3].grad.double() - ref[3]).norm() / ref[3].norm()).item()
     assert rel <= SINK_REL, (leaves[3].grad, ref[3])
     only_sink = sink.clone().requires_grad_(True)
-    o2, _ = attention(q, k, v, causal=True, learnable_sink=only_sink)
+    o2, _ = attention(q, k, v, causal=True, learnable_sink=only_sink, seqused_k=used)
     (o2.float() * do.float()).sum().backward()
     assert torch.equal(o2, o.detach()) and only_sink.grad is not None
     assert ((only_sink.grad.double() - ref[3]).norm() / ref[3].norm()).item() <= SINK_REL
@@ -214,9 +233,11 @@ def test_op_backward_and_torch_compile(arch, head_dim, record_errors):
     q, k, v, g = attention_inputs(2, 300, 400, 4, 2, head_dim, torch.bfloat16)
     do = random_bshd(2, 300, 4, head_dim, torch.bfloat16, q.device, generator=g)
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32, device=q.device)
+    used = torch.tensor([400, 350], dtype=torch.int32, device=q.device)
 
     def step(q, k, v, sink):
-        o, _ = torch.ops.dsv4_attention.e_fused(q, k, v, causal=True, window_left=200, learnable_sink=sink)
+        o, _ = torch.ops.dsv4_attention.e_fused(q, k, v, causal=True, window_left=200, learnable_sink=sink,
+                                                seqused_k=used)
         return (o.float() * do.float()).sum()
 
     def grads(fn):
@@ -225,9 +246,9 @@ def test_op_backward_and_torch_compile(arch, head_dim, record_errors):
         return [t.grad for t in leaves]
 
     eager = grads(step)
-    o, _ = forward(q, k, v, causal=True, window_size=(200, None), learnable_sink=sink)
+    o, _ = forward(q, k, v, causal=True, window_size=(200, None), learnable_sink=sink, seqused_k=used)
     ref = reference.attention_backward(q, k, v, do, causal=True, window_size=(200, None), o=o,
-                                       learnable_sink=sink)
+                                       learnable_sink=sink, seqused_k=used)
     for name, out, r in zip(("dq", "dk", "dv"), eager[:3], ref[:3], strict=True):
         e = errors(out, r, row_floor=ROW_FLOOR)
         record_errors(e, grad=name, op=True, head_dim=head_dim)

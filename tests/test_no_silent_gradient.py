@@ -87,13 +87,12 @@ def meta(*shape, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("stage_id", [s.id for s in ATTENTION])
 def test_ops_refuse_grad(stage_id):
-    """An option stage F's backward does not cover (seqused_k) refuses by the argument's name; a
+    """An option stage F's backward does not cover (kv_start) refuses by the argument's name; a
     dense call on tensors it does not serve (meta, not CUDA) refuses naming why."""
     q, k = meta(2, 10, 8, 128), meta(2, 30, 2, 128)
-    n = torch.empty(2, dtype=torch.int32, device="meta")
     k.requires_grad_(True)
     with pytest.raises(NotDifferentiableError, match=r"op dsv4_attention::.* has no backward yet, but k requires grad"):
-        ops.OPS[stage_id](q, k, k, seqused_k=n)
+        ops.OPS[stage_id](q, k, k, kv_start=5)
     with pytest.raises(NotDifferentiableError, match=r"op dsv4_attention::.* cannot be differentiated here: .*CUDA"):
         ops.OPS[stage_id](q, k, k)
     with torch.no_grad():  # negative control: the op's fake forward runs

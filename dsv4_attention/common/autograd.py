@@ -1,7 +1,7 @@
 """What the library differentiates, and the refusal everywhere else.
 
 Differentiable (stage F's backward, sm90): ``attention(q, k, v)`` with ``softmax_scale``,
-``causal``, ``window_size`` and ``learnable_sink``, head dims 64 and 128, GQA / MQA, K = V (one
+``causal``, ``window_size``, ``seqused_k`` and ``learnable_sink``, head dims 64 and 128, GQA / MQA, K = V (one
 gradient, dK + dV): :func:`dense_attention` wraps the forward in a ``torch.autograd.Function``
 that saves q, k, v, O, LSE and the sink (never P) and runs stage F's kernel in backward; the
 sink's gradient comes with it. LSE is returned without a gradient.
@@ -71,15 +71,16 @@ def refuse_op_grad(op, what: str) -> None:
 
 #: the attention ops' arguments that stage F's backward does not cover: a call with one of them
 #: given (not None) refuses gradients
-_OP_UNCOVERED = ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "compressed_kv", "compress_ratio", "topk_indices",
+_OP_UNCOVERED = ("cu_seqlens_q", "cu_seqlens_k", "compressed_kv", "compress_ratio", "topk_indices",
                  "kv_start", "positions", "cu_seqlens_compressed")
 
 
 def register_attention_op_grad(op, what: str, backward_op) -> None:
     """Register on the attention op ``op`` (stages/ops.py's shared schema) the autograd rule of
     dense attention: where stage F serves the call (no option of ``_OP_UNCOVERED``, one split,
-    ``serves(q, k, v)``), save q, k, v, O, LSE and the sink and run ``backward_op`` (q, k, v, o, lse,
-    do, softmax_scale, causal, window_left, window_right, learnable_sink) -> (dq, dk, dv, dsink) in
+    ``serves(q, k, v)``), save q, k, v, O, LSE, the sink and seqused_k and run ``backward_op`` (q, k,
+    v, o, lse, do, softmax_scale, causal, window_left, window_right, learnable_sink, seqused_k) ->
+    (dq, dk, dv, dsink) in
     backward; elsewhere raise :class:`NotDifferentiableError` naming the input that requires grad.
     LSE is marked non-differentiable, as in :func:`dense_attention`."""
     names = [a.name for a in op._opoverload._schema.arguments]
@@ -97,14 +98,15 @@ def register_attention_op_grad(op, what: str, backward_op) -> None:
             raise NotDifferentiableError(f"{what} cannot be differentiated here: {why}. Call it under torch.no_grad() "
                                          f"or with detached inputs (docs/training.md)")
         o, lse = output
-        ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("learnable_sink"))
+        ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("learnable_sink"),
+                              args.get("seqused_k"))
         ctx.options = (args.get("softmax_scale"), bool(args.get("causal")), args.get("window_left"),
                        args.get("window_right"))
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = backward_op(q, k, v, o, lse, do.contiguous(), *ctx.options, sink)
+        q, k, v, o, lse, sink, used = ctx.saved_tensors
+        dq, dk, dv, dsink = backward_op(q, k, v, o, lse, do.contiguous(), *ctx.options, sink, used)
         grads = dict(q=dq, k=dk, v=dv, learnable_sink=dsink if sink is not None else None)
         return tuple(grads.get(n) for n in names)
 
@@ -115,9 +117,9 @@ class _DenseAttention(torch.autograd.Function):
     """o, lse = run_forward(); backward: stage F's kernel on (q, k, v, o, lse, do, sink)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, learnable_sink, softmax_scale, causal, window_size, run_forward):
+    def forward(ctx, q, k, v, learnable_sink, seqused_k, softmax_scale, causal, window_size, run_forward):
         o, lse = run_forward()
-        ctx.save_for_backward(q, k, v, o, lse, learnable_sink)
+        ctx.save_for_backward(q, k, v, o, lse, learnable_sink, seqused_k)
         ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -126,14 +128,14 @@ class _DenseAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         from dsv4_attention import stages  # the registry: a call-time lookup, not an import of the kernel
 
-        q, k, v, o, lse, sink = ctx.saved_tensors
+        q, k, v, o, lse, sink, used = ctx.saved_tensors
         grads = stages.get("f").module.backward(q, k, v, o, lse, do.contiguous(), learnable_sink=sink,
-                                                **ctx.options)
+                                                seqused_k=used, **ctx.options)
         dsink = grads[3] if sink is not None else None
-        return grads[0], grads[1], grads[2], dsink, None, None, None, None
+        return grads[0], grads[1], grads[2], dsink, None, None, None, None, None
 
 
-def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, learnable_sink=None):
+def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, learnable_sink=None, seqused_k=None):
     """``run_forward()`` (the forward kernel's (o, lse) for q, k, v and the sink) made
     differentiable in q, k, v and ``learnable_sink``; raises :class:`NotDifferentiableError` before
     any launch where stage F cannot serve the inputs. v may be k (K = V): autograd adds its two
@@ -144,4 +146,4 @@ def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, le
     if why is not None:
         raise NotDifferentiableError(f"attention cannot be differentiated here: {why}. Call it under torch.no_grad() "
                                      f"or with detached inputs (docs/training.md)")
-    return _DenseAttention.apply(q, k, v, learnable_sink, softmax_scale, causal, window_size, run_forward)
+    return _DenseAttention.apply(q, k, v, learnable_sink, seqused_k, softmax_scale, causal, window_size, run_forward)

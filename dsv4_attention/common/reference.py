@@ -161,9 +161,9 @@ def dsv4_index_attention(q, kv, idx, idx_len, sink, scale=512 ** -0.5):
 
 
 def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causal: bool = False,
-                       window_size=(None, None), o=None, learnable_sink=None):
-    """Gradients of ``attention`` (no seqused_k) in float64, written out rather than autograd's, so
-    that a row with no visible key is exact (its P is 0: no gradient, no NaN):
+                       window_size=(None, None), seqused_k=None, o=None, learnable_sink=None):
+    """Gradients of ``attention`` in float64, written out rather than autograd's, so that a row
+    with no visible key is exact (its P is 0: no gradient, no NaN):
 
         P = softmax(S) over the visible keys, D_i = dO_i . O_i, dV = P^T dO, dP = dO V^T,
         dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q
@@ -181,7 +181,8 @@ def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causa
     reference by finite differences."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     h, hk = q.shape[2], k.shape[2]
-    o_exact, lse = attention(q, k, v, scale, causal=causal, window_size=window_size, learnable_sink=learnable_sink)
+    o_exact, lse = attention(q, k, v, scale, causal=causal, window_size=window_size, seqused_k=seqused_k,
+                             learnable_sink=learnable_sink)
     o = o_exact if o is None else o.to(torch.float64)
     if learnable_sink is not None:  # the sink joins the normalizer: P below is the softmax over keys and sink
         lse = torch.logaddexp(lse, learnable_sink.to(torch.float64)[None, :, None])
@@ -190,8 +191,8 @@ def attention_backward(q, k, v, do, softmax_scale: float | None = None, *, causa
     left, right = window_size
     if causal:
         right = 0
-    if left is not None or right is not None:
-        p = p * visibility(q.shape[1], k.shape[1], None, (left, right), device=q.device)
+    if seqused_k is not None or left is not None or right is not None:
+        p = p * visibility(q.shape[1], k.shape[1], seqused_k, (left, right), device=q.device)
     do64 = do.to(torch.float64)
     q64 = q.to(torch.float64)
     k64 = _expand_kv(k, h).to(torch.float64)

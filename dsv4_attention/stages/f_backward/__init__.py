@@ -3,7 +3,7 @@ O and LSE, recomputing P tile by tile: nothing of size seqlen_q x seqlen_k is ev
 
 The first step of issue 44: head dims 64 and 128, bf16 / fp16, GQA / MQA (the group's dK and dV
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
-convention), on Hopper (sm90.py). Three launches a call: D = rowsum(dO * O) and the padded LSE
+convention), per-batch key counts (``seqused_k``), on Hopper (sm90.py). Three launches a call: D = rowsum(dO * O) and the padded LSE
 (torch, elementwise), the kernel (dK, dV complete; dQ accumulated in fp32 across KV tiles), and
 dQ's rounding to q's dtype (torch). ``deterministic`` (or ``torch.use_deterministic_algorithms``)
 adds dQ's partial sums KV tile by KV tile (a counter per Q tile), so every gradient is bitwise
@@ -24,7 +24,14 @@ import torch
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
 from dsv4_attention.common.bench import visible_pairs
-from dsv4_attention.common.validation import check_out, check_qkv, check_scale, check_sink, check_window
+from dsv4_attention.common.validation import (
+    check_out,
+    check_qkv,
+    check_scale,
+    check_seqused_k,
+    check_sink,
+    check_window,
+)
 
 ID = "f"
 NAME = "backward"
@@ -45,8 +52,8 @@ def example_args(dtype: torch.dtype, head_dim: int, **_):
     rows = 320
     stats = torch.empty(2, 4, rows, dtype=torch.float32)
     return [q, k, k.clone(), q.clone(), stats, stats.clone(), torch.empty(2, rows, 4, head_dim, dtype=torch.float32),
-            k.clone(), k.clone(), torch.empty(2, 4, rows // TILE_M, dtype=torch.int32), 0.125 * LOG2E, 0.125, 0, 0,
-            jit.STREAM]
+            k.clone(), k.clone(), torch.empty(2, 4, rows // TILE_M, dtype=torch.int32),
+            torch.empty(2, dtype=torch.int32), 0.125 * LOG2E, 0.125, 0, 0, jit.STREAM]
 
 
 def padded_rows(seqlen_q: int) -> int:
@@ -59,8 +66,8 @@ def _clamp(bound, limit: int) -> int:
 
 
 def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal: bool = False,
-             window_size=(None, None), learnable_sink=None, deterministic: bool | None = None, dk_out=None,
-             dv_out=None):
+             window_size=(None, None), seqused_k=None, learnable_sink=None, deterministic: bool | None = None,
+             dk_out=None, dv_out=None):
     """Gradients of ``o = attention(q, k, v, softmax_scale, causal, window_size, learnable_sink)``
     (the loss's gradient reaches o only: LSE is an output without one).
 
@@ -71,6 +78,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
             log; -inf where a row saw no key).
         do: the gradient of the loss with respect to o, like q.
         softmax_scale, causal, window_size: the forward's.
+        seqused_k: the forward's [batch] int32 key counts, or None: batch b's keys are the first
+            seqused_k[b] (the others get dK = dV = 0), its queries aligned to them bottom-right.
         learnable_sink: the forward's [heads] fp32 sink, or None; then o is the sink-scaled output
             and lse the LSE without the sink, as the forward returns them.
         deterministic: add dQ's partial sums in a fixed order (KV tile by KV tile), so that every
@@ -98,6 +107,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     scale = check_scale(softmax_scale, q.shape[3])
     left, right = check_window(causal, window_size)
     b, sq, h, d = q.shape
+    if seqused_k is not None:
+        check_seqused_k(seqused_k, b, k.shape[1], q.device)
     if learnable_sink is not None:
         check_sink(learnable_sink, h, q.device)
         lse = torch.logaddexp(lse, learnable_sink[None, :, None])  # the sink joins the normalizer
@@ -118,9 +129,11 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         deterministic = torch.are_deterministic_algorithms_enabled()
     # deterministic dQ: per (batch, head, Q tile), how many KV tiles have added their sum
     turns = torch.zeros((b, h, rows // TILE_M) if deterministic else (1, 1, 1), dtype=torch.int32, device=q.device)
-    args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, turns, float(scale * LOG2E), float(scale),
+    used = seqused_k if seqused_k is not None else turns.new_zeros((1,))  # (read only with has_seqused)
+    args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, turns, used, float(scale * LOG2E), float(scale),
             _clamp(left, limit), _clamp(right, limit), jit.STREAM]
-    options = {"has_left": left is not None, "has_right": right is not None, "deterministic": bool(deterministic)}
+    options = {"has_left": left is not None, "has_right": right is not None, "deterministic": bool(deterministic),
+               "has_seqused": seqused_k is not None}
     jit.launch(ID, KERNELS, arch, q.dtype, d, args, options)
     if learnable_sink is None:
         return dq_acc[:, :sq].to(q.dtype), dk, dv

@@ -127,6 +127,7 @@ class FlashAttentionBackwardSm90:
         has_left: bool = False,
         has_right: bool = False,
         deterministic: bool = False,
+        has_seqused: bool = False,
         tile_m: int = 64,
         tile_n: int = NUM_WG * WGMMA_M,
         stages: int = 2,
@@ -142,6 +143,7 @@ class FlashAttentionBackwardSm90:
         self.has_left = has_left
         self.has_right = has_right
         self.deterministic = deterministic
+        self.has_seqused = has_seqused
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
@@ -167,6 +169,7 @@ class FlashAttentionBackwardSm90:
         mdK: cute.Tensor,  # like mK
         mdV: cute.Tensor,
         mSem: cute.Tensor,  # (batch, heads, Q tiles) int32, zeroed: dQ's turns (deterministic only)
+        mSeqused: cute.Tensor,  # (batch,) int32: each batch's key count (has_seqused only)
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -230,7 +233,8 @@ class FlashAttentionBackwardSm90:
             sdp_mma, dkv_mma, dq_mma,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, tma_atom_dq, tma_dq,
-            tma_atom_lse, tma_lse, tma_atom_d, tma_d, mSem, scale_log2, scale, left, right, seqlen_q, seqlen_k,
+            tma_atom_lse, tma_lse, tma_atom_d, tma_d, mSem, mSeqused, scale_log2, scale, left, right, seqlen_q,
+            seqlen_k,
             sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout, sdQ_layout, sStat_layout,
         ).launch(
             grid=grid,
@@ -264,6 +268,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_d: cute.CopyAtom,
         mD: cute.Tensor,
         mSem: cute.Tensor,
+        mSeqused: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -320,6 +325,10 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
 
+        if cutlass.const_expr(self.has_seqused):
+            # the batch's keys: alignment, masks and span (the tensor may be longer); clamped as the
+            # forward does (a CUDA graph's capture skips the host's check of the values)
+            seqlen_k = cutlass.min(cutlass.max(mSeqused[batch], 0), seqlen_k)
         m_lo, m_hi = q_tile_range(n_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left, right,
                                   self.has_left, self.has_right)
         m_count = m_hi - m_lo

@@ -9,7 +9,9 @@ j - right <= p <= j + left, and the keys [k_lo, k_hi] of a KV tile by the querie
     i_end = min(seqlen_q, k_hi + left - offset + 1)            (seqlen_q without a left bound)
 
 offset = seqlen_k - seqlen_q. The KV tile visits Q tiles [i_lo // tile_m, ceil(i_end / tile_m)),
-none when i_end <= i_lo: its dK and dV are then 0. The host clamps left and right to at most
+none when i_end <= i_lo (or when the tile starts past the keys: with ``seqused_k``, seqlen_k is
+the batch's key count, and the grid covers the tensor's): its dK and dV are then 0. The host
+clamps left and right to at most
 seqlen_q + seqlen_k (a wider bound hides nothing), so no sum here leaves int32.
 
 The other way round (deterministic dQ, ``first_kv_tile``): m_lo and m_hi grow with the KV tile,
@@ -40,11 +42,12 @@ def q_tile_range(n_block, tile_n: int, tile_m: int, seqlen_q, seqlen_k, left, ri
     k_lo = n_block * tile_n
     k_hi = cutlass.min(k_lo + tile_n, seqlen_k) - 1
     i_lo = 0
-    i_end = seqlen_q
+    # a tile past the keys (seqused_k shorter than the tensor) holds none: no query sees it
+    i_end = seqlen_q * cutlass.max(cutlass.min(k_hi - k_lo + 1, 1), 0)
     if has_right:
         i_lo = cutlass.max(k_lo - right - offset, 0)
     if has_left:
-        i_end = cutlass.min(k_hi + left - offset + 1, seqlen_q)
+        i_end = cutlass.min(k_hi + left - offset + 1, i_end)
     m_lo = i_lo // tile_m
     # i_end may be negative (every query hidden): any rounding of it then stays <= m_lo
     m_hi = cutlass.max((i_end + tile_m - 1) // tile_m, m_lo)
