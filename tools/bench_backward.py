@@ -5,6 +5,8 @@ head dims 64 / 128, causal and not, seqlen 2k-16k. Timed: the whole backward cal
 makes for one loss.backward() (ours: D and the LSE padding, the kernel, dQ's rounding; FA4's:
 its preprocess, kernel and postprocess), given the forward's O and LSE; median of CUDA events
 over rotated input sets. FLOPs: 2.5x the forward's over the visible pairs (FlashAttention's count).
+Two rows in deterministic mode (``deterministic=True`` for both libraries: dQ summed in a fixed
+order), hd 128 causal at 4k and 16k: what bitwise repeatability costs.
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ from dsv4_attention.common import bench
 from dsv4_attention.common.testing import random_bshd
 
 
-def fa4_backward(q, k, v, do, causal):
+def fa4_backward(q, k, v, do, causal, deterministic=False):
     """FA4's backward alone: its forward once (outside the timing), then torch.autograd.grad of
     its output, which runs exactly FA4's backward kernels."""
     from flash_attn.cute import flash_attn_func  # pyright: ignore[reportMissingImports] (GPU peer)
 
     qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    r = flash_attn_func(qq, kk, vv, causal=causal)
+    extra = {"deterministic": True} if deterministic else {}
+    r = flash_attn_func(qq, kk, vv, causal=causal, **extra)
     o = r[0] if isinstance(r, tuple) else r
     return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
 
 
-def backward_row(dev, b, h, s, d, causal, peers=("fa4",)) -> dict:
+def backward_row(dev, b, h, s, d, causal, peers=("fa4",), deterministic=False) -> dict:
     from dsv4_attention.stages import e_fused
     from dsv4_attention.stages import f_backward as stage
 
@@ -37,17 +40,18 @@ def backward_row(dev, b, h, s, d, causal, peers=("fa4",)) -> dict:
         with torch.no_grad():
             o, lse = e_fused.forward(q, k, v, causal=causal)
         sets.append((q, k, v, o, lse, do))
-    ms = bench.time_ms([lambda a=a: stage.backward(*a, causal=causal) for a in sets])
+    ms = bench.time_ms([lambda a=a: stage.backward(*a, causal=causal, deterministic=deterministic) for a in sets])
     flop = stage.flops(b, s, s, h, d, causal=causal)
     tf, peer_ms = {}, {}
     for name in peers:
         try:
-            t = bench.time_ms([fa4_backward(q, k, v, do, causal) for q, k, v, _, _, do in sets])
+            t = bench.time_ms([fa4_backward(q, k, v, do, causal, deterministic) for q, k, v, _, _, do in sets])
             tf[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
             print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
     row = {
-        "stage": stage.ID, "case": f"bwd b{b} h{h} sq{s} sk{s} hd{d}{' causal' if causal else ''} bf16",
+        "stage": stage.ID, "case": f"bwd b{b} h{h} sq{s} sk{s} hd{d}{' causal' if causal else ''} bf16"
+                                   f"{' deterministic' if deterministic else ''}",
         "head_dim": d, "seqlen": s, "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
         "peers": tf, "peer_ms": peer_ms, "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()},
     }
@@ -63,4 +67,6 @@ def bench_stage_f(dev) -> list:
             for s in (2048, 4096, 8192, 16384):
                 h = 32 if d == 64 else 16
                 rows.append(backward_row(dev, max(1, 16384 // s), h, s, d, causal))
+    for s in (4096, 16384):
+        rows.append(backward_row(dev, 16384 // s, 16, s, 128, True, deterministic=True))
     return rows
