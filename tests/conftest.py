@@ -68,6 +68,10 @@ def record_errors(request):
     """record_errors(errors_obj, **case): keep a GPU test's error metrics for the report."""
 
     def record(errs, **case):
+        # plain values only: xdist sends user_properties between processes (a tensor there, e.g.
+        # a case's seqused_k, crashed a whole device session with an INTERNALERROR)
+        case = {k: (v.tolist() if hasattr(v, "tolist") and not isinstance(v, (list, tuple, str)) else v)
+                for k, v in case.items()}
         request.node.user_properties.append(
             ("errors", {"rel_fro": errs.rel_fro, "row_rel": errs.row_rel, "max_abs": errs.max_abs, **case})
         )

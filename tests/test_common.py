@@ -162,3 +162,15 @@ except DSLUserCodeError:
 """
     p = _run_with_gpu_arch("sm_90a", ["-c", script])
     assert p.returncode == 0 and "restored" in p.stdout, (p.stdout + p.stderr)[-3000:]
+
+
+def test_record_errors_keeps_plain_values(record_errors, request):
+    """A case argument that is a tensor (a test's seqused_k) is recorded as a list: under xdist a
+    tensor in user_properties cannot be sent to the controller, and the INTERNALERROR it raised
+    ended a whole device session."""
+    from dsv4_attention.common.testing import Errors
+
+    record_errors(Errors(0.1, 0.2, 0.3, ()), seqused_k=torch.tensor([3, 0], dtype=torch.int32), causal=True)
+    (_, row), = [p for p in request.node.user_properties if p[0] == "errors"]
+    assert row["seqused_k"] == [3, 0] and row["causal"] is True
+    json.dumps(row)
