@@ -88,11 +88,12 @@ def compile_sweep() -> int:
     from dsv4_attention import stages
     from dsv4_attention.common.compile import compile_report
 
-    print("NOTHING RUNS ON A GPU here: every stage compiled for both architectures (file cache off).\n")
+    print("NOTHING RUNS ON A GPU here: every stage compiled for the architectures it has a kernel for "
+          "(file cache off; the backward, stage F, has sm90 only).\n")
     failed = 0
-    for st in stages.STAGES:
+    for st in stages.ALL_STAGES:
         print(f"stage {st.id} ({st.name}): {st.adds}")
-        for arch in ARCHS:
+        for arch in (a for a in ARCHS if a in st.module.KERNELS):
             for hd in st.head_dims:
                 rep = compile_report(st.id, arch, "bfloat16", hd, options=getattr(st.module, "DEMO_OPTIONS", None))
                 failed += not rep.ok

@@ -9,7 +9,8 @@ Without a GPU: each configuration is compiled for its architecture (file cache o
 kept; ``.loc`` / ``.file`` lines (source positions, which move with any edit above them) are
 dropped before hashing. Equal PTX means equal SASS (the same ptxas). The configurations: the
 final kernel's DeepSeek-V4 calls on both architectures (common/warmup.py) and every stage's
-dense head-dim-128 kernel on both; ``--wide`` adds the sm90 compile-budget tests' configurations.
+dense head-dim-128 kernel on both (the backward, stage F, on sm90, its one architecture);
+``--wide`` adds the sm90 compile-budget tests' configurations.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def configurations(wide: bool = False) -> list:
     for arch in ("sm90", "sm100"):
         for _, stage_id, _, dtype, head_dim, _, options in warmup.configurations(warmup.dsv4_calls(), arch):
             out.append((arch, stage_id, str(dtype).removeprefix("torch."), head_dim, options))
-        for s in stages.STAGES:
-            if 128 in s.head_dims:
+        for s in stages.ALL_STAGES:  # the backward (stage F) where it has a kernel: sm90
+            if 128 in s.head_dims and arch in s.module.KERNELS:
                 out.append((arch, s.id, "bfloat16", 128, {}))
     if wide:
         out += _sm90_budget_cases()
