@@ -8,7 +8,9 @@ autograd routing, without a GPU.
   gradients are finite and those rows' are 0.
 - ``span.q_tile_range`` visits exactly the Q tiles holding a query that sees one of the KV tile's
   keys, against every (query, key) pair; the negative control (the bottom-right offset dropped)
-  is rejected by the same check.
+  is rejected by the same check. ``span.first_kv_tile`` is the first of a Q tile's visitors, which
+  are consecutive; deterministic dQ's turns, played out with CTAs starting in block order, never
+  deadlock (negative control: turns in reverse order do).
 - ``backward`` refuses bad inputs with a ValueError naming them before any launch; ``attention``
   with inputs requiring grad goes to the autograd path where stage F serves the call and raises
   NotDifferentiableError (before any launch) where it does not.
@@ -23,7 +25,7 @@ from dsv4_attention import attention
 from dsv4_attention.common import reference
 from dsv4_attention.common.autograd import NotDifferentiableError
 from dsv4_attention.stages import f_backward as stage
-from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range
+from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range, visit
 
 pytestmark = [pytest.mark.stage_f]
 
@@ -252,3 +254,52 @@ def test_unsupported_options_are_still_refused():
         attention(q, k, v, out=torch.empty_like(q))
     with pytest.raises(NotDifferentiableError, match="attention has no backward yet"):
         attention(q, k, v, positions=torch.arange(8, dtype=torch.int32)[None])
+
+
+def simulate_turns(sq, sk, left, right, group, resident, turn) -> bool:
+    """Deterministic dQ's waits, played out: CTAs (one per KV tile, KV head 0, batch 0) start in
+    block-index order, at most ``resident`` at a time; each walks its visits (``span.visit``'s
+    order) and adds its dQ for (head, Q tile m) when that tile's counter equals ``turn(n, m,
+    visitors[m])``, then increments it. True if every CTA finishes, False on a deadlock (no CTA
+    can move)."""
+    n_tiles = -(-sk // 128)
+    todo, visitors = {}, {}
+    for n in range(n_tiles):
+        lo, hi = q_tile_range(n, 128, 64, sq, sk, left or 0, right or 0, left is not None, right is not None)
+        todo[n] = [visit(it, 0, group, lo, hi - lo) for it in range(group * (hi - lo))]
+        for m in range(lo, hi):
+            visitors.setdefault(m, []).append(n)
+    counters: dict = {}
+    pending, running = list(range(n_tiles)), []
+    while pending or running:
+        while pending and len(running) < resident:
+            running.append(pending.pop(0))
+        moved = False
+        for n in list(running):
+            while todo[n]:
+                head, m = todo[n][0]
+                if counters.get((head, m), 0) != turn(n, m, visitors[m]):
+                    break
+                counters[(head, m)] = counters.get((head, m), 0) + 1
+                todo[n].pop(0)
+                moved = True
+            if not todo[n]:
+                running.remove(n)
+                moved = True
+        if not moved:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("resident", [1, 3])
+def test_deterministic_turns_cannot_deadlock(resident):
+    """With the kernel's turn (n - first_kv_tile(m)) every CTA finishes however few are resident,
+    for causal, windowed and full masks and GQA; the negative control (turns in reverse KV-tile
+    order, which waits for CTAs that start later) deadlocks with one CTA resident at a time."""
+    for sq, sk, left, right, group in ((700, 1000, None, 0, 2), (300, 1300, 300, 50, 1), (640, 900, None, None, 4),
+                                       (129, 1000, 0, None, 2)):
+        def kernel_turn(n, m, _visitors, sq=sq, sk=sk, left=left):
+            return n - first_kv_tile(m, 128, 64, sq, sk, left or 0, left is not None)
+
+        assert simulate_turns(sq, sk, left, right, group, resident, kernel_turn)
+        assert not simulate_turns(sq, sk, left, right, group, 1, lambda n, m, v: max(v) - n)
