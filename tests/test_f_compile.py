@@ -3,7 +3,7 @@
 serialized wgmma, no spills (with dQ added by red.global.add per element, hd 128 spilled 12-24
 bytes: the address arithmetic; the dQ warp's TMA reduction removed it), no elect.sync nested in
 another's region (the dQ warp's first hang). The deterministic variant (dQ's turns) and the
-per-batch key counts (seqused_k) too. No sm100 kernel yet:
+per-batch key counts (seqused_k) and variable-length batches (cu_seqlens) too. No sm100 kernel yet:
 the backward refuses Blackwell tensors (stages/f_backward/__init__.py)."""
 
 import pytest
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.stage_f, pytest.mark.arch("sm90")]  # the arch names t
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 @pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True},
                                      {"has_left": True, "has_right": True, "deterministic": True},
-                                     {"has_right": True, "has_seqused": True}],
-                         ids=["dense", "window", "window_deterministic", "causal_seqused"])
+                                     {"has_right": True, "has_seqused": True}, {"has_right": True, "varlen": True}],
+                         ids=["dense", "window", "window_deterministic", "causal_seqused", "causal_varlen"])
 def test_compiles_within_budget(dtype, head_dim, options):
     assert_within_budget(stage.ID, "sm90", dtype, head_dim, options=options)

@@ -227,6 +227,38 @@ def test_backward_names_bad_input(bad):
         stage.backward(**args)
 
 
+@pytest.mark.parametrize("bad", ["rank", "seqused", "lse_shape", "do_shape"])
+def test_varlen_backward_names_bad_input(bad):
+    """A variable-length call: packed [total, heads, d] tensors, lse [heads, total_q] (the offsets'
+    own checks, after the device's, are the GPU tests')."""
+    q, k, v = (t[0] for t in cpu())
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.zeros(4, 8)
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 10, 16], dtype=torch.int32)
+    args = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    match = {"rank": "total_tokens", "seqused": "seqused_k with cu_seqlens_k", "lse_shape": "lse must be",
+             "do_shape": "do must be"}[bad]
+    if bad == "rank":
+        args["q"] = q[None]
+    elif bad == "seqused":
+        args["seqused_k"] = torch.tensor([5, 6], dtype=torch.int32)
+    elif bad == "lse_shape":
+        args["lse"] = lse[:, :4]
+    elif bad == "do_shape":
+        args["do"] = do[:4]
+    with pytest.raises(ValueError, match=match):
+        stage.backward(**args)
+
+
+def test_varlen_attention_routes_to_the_backward():
+    """cu_seqlens are covered: with inputs that require grad, a variable-length call takes the
+    differentiable path (on CPU tensors it names why stage F cannot serve them, not 'no backward')."""
+    q, k, v = (t[0] for t in cpu())
+    q.requires_grad_(True)
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 10, 16], dtype=torch.int32)
+    with pytest.raises(NotDifferentiableError, match="attention cannot be differentiated here: .*CUDA"):
+        attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 def test_attention_with_grad_names_why_it_cannot_differentiate():
     q, k, v = cpu(grad=("q",))
     with pytest.raises(NotDifferentiableError, match="CUDA tensors"):

@@ -167,6 +167,92 @@ def test_seqused_k(arch, head_dim, mask, record_errors):
     assert bool((dq[1] == 0).all())
 
 
+def varlen_case(lengths, h, hk, d, dtype=torch.bfloat16):
+    """Packed [total, heads, d] q, k, v, dO of requests of (queries, keys) ``lengths``, and their
+    int32 offsets."""
+    q, k, v, g = attention_inputs(1, sum(a for a, _ in lengths), sum(b for _, b in lengths), h, hk, d, dtype)
+    do = random_bshd(1, q.shape[1], h, d, dtype, q.device, generator=g)
+    cu = [torch.tensor([0] + [sum(x[i] for x in lengths[:j + 1]) for j in range(len(lengths))], dtype=torch.int32,
+                       device=q.device) for i in (0, 1)]
+    return q[0], k[0], v[0], do[0], cu[0], cu[1], g
+
+
+def varlen_reference(q, k, v, do, o, cu_q, cu_k, **mask):
+    """The float64 gradients request by request, packed: (exact, given-O), each (dq, dk, dv[, dsink])
+    (a request with no query or no key: gradient 0; the sink's gradient summed over requests)."""
+    sink = mask.get("learnable_sink")
+    out = []
+    for given in (None, o):
+        grads = [torch.zeros(t.shape, dtype=torch.float64, device=t.device) for t in (q, k, v)]
+        dsink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float64, device=q.device)
+        bounds = zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:], strict=True)
+        for a, b, c, e in bounds:
+            if a == b or c == e:
+                continue
+            r = reference.attention_backward(q[None, a:b], k[None, c:e], v[None, c:e], do[None, a:b],
+                                             o=None if given is None else given[None, a:b], **mask)
+            grads[0][a:b], grads[1][c:e], grads[2][c:e] = r[0][0], r[1][0], r[2][0]
+            if sink is not None:
+                dsink += r[3]
+        out.append(grads + ([] if sink is None else [dsink]))
+    return out
+
+
+VARLEN = [(300, 1000), (0, 5), (129, 127), (64, 128), (5, 0), (700, 300), (1, 777)]
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(50, 30))],
+                         ids=["full", "causal", "window"])
+def test_varlen(arch, head_dim, mask, record_errors):
+    """A variable-length batch (cu_seqlens_q / cu_seqlens_k, packed [total, heads, d]): requests of
+    (queries, keys) ``VARLEN``, among them one with no query, one with no key (its rows: gradient
+    0), lengths off the tiles and longer queries than keys; GQA. Each request against the float64
+    reference on its own rows; dK and dV through their poisoned outputs (the padded workspace's
+    rows never leak); deterministic mode bitwise repeatable on the same batch."""
+    q, k, v, do, cu_q, cu_k, g = varlen_case(VARLEN, 4, 2, head_dim)
+    with torch.no_grad():
+        o, lse = e_fused.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **mask)
+    dk_out, dv_out = poison_(torch.empty_like(k)), poison_(torch.empty_like(k))
+    dq, dk, dv = stage.backward(q, k, v, o, lse, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dk_out=dk_out,
+                                dv_out=dv_out, **mask)
+    assert dk is dk_out and dv is dv_out and dq.shape == q.shape
+    exact, given_o = varlen_reference(q, k, v, do, o, cu_q, cu_k, **mask)
+    tol = GRAD_REL[q.dtype]
+    case = dict(varlen=str(VARLEN), head_dim=head_dim, **{n: str(x) for n, x in mask.items()})
+    for i, (name, out) in enumerate((("dq", dq), ("dk", dk), ("dv", dv))):
+        whole, rows = errors(out, exact[i]), errors(out, given_o[i], row_floor=ROW_FLOOR)
+        record_errors(Errors(whole.rel_fro, rows.row_rel, whole.max_abs, rows.worst_row), grad=name, **case)
+        assert whole.rel_fro <= tol and rows.within(tol, 4 * tol), f"{name} {case}: {whole}; rows {rows}"
+    assert bool((dq[cu_q[4]:cu_q[5]] == 0).all()), "a request with no key: dQ = 0"
+    runs = [stage.backward(q, k, v, o, lse, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, deterministic=True,
+                           max_seqlen_q=700, max_seqlen_k=1000, **mask) for _ in range(3)]
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r, strict=True)), "not repeatable"
+    assert errors(runs[0][0], given_o[0], row_floor=ROW_FLOOR).within(tol, 4 * tol)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
+def test_varlen_autograd_through_attention_with_sink(arch, head_dim, record_errors):
+    """``attention`` on a variable-length batch with q, k (= v) and the sink requiring grad, causal:
+    loss.backward() reaches all three, equal to the request-by-request reference."""
+    q, k, _, do, cu_q, cu_k, g = varlen_case([(200, 300), (0, 64), (333, 333), (77, 500)], 4, 1, head_dim)
+    sink = torch.tensor([0.5, -1.0, 2.0, -math.inf], dtype=torch.float32, device=q.device)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, sink)]
+    o, lse = attention(leaves[0], leaves[1], causal=True, learnable_sink=leaves[2], cu_seqlens_q=cu_q,
+                       cu_seqlens_k=cu_k)
+    assert o.grad_fn is not None and lse.shape == (4, q.shape[0])
+    (o.float() * do.float()).sum().backward()
+    _, ref = varlen_reference(q, k, k, do, o.detach(), cu_q, cu_k, causal=True, learnable_sink=sink)
+    for name, out, r in (("dq", leaves[0].grad, ref[0]), ("dkv", leaves[1].grad, ref[1] + ref[2])):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, varlen=True, sink=True, head_dim=head_dim)
+        assert e.within(2e-2, 8e-2), f"{name}: {e} (seed {g.initial_seed()})"
+    rel = ((leaves[2].grad.double() - ref[3]).norm() / ref[3].norm()).item()
+    assert rel <= SINK_REL and leaves[2].grad[3] == 0, (leaves[2].grad, ref[3])
+
+
 @pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 def test_autograd_through_attention_with_sink(arch, head_dim, record_errors):
@@ -304,6 +390,27 @@ def test_dk_dv_bitwise_repeatable(arch):
     for _ in range(3):
         again = stage.backward(q, k, v, o, lse, do, causal=True)
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("bad", ["cu_dtype", "cu_pair", "cu_past_total", "max_seqlen"])
+def test_varlen_bad_input_is_named(arch, bad):
+    q, k, v, do, cu_q, cu_k, _ = varlen_case([(100, 120), (30, 40)], 2, 1, 64)
+    with torch.no_grad():
+        o, lse = e_fused.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    args = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    match = {"cu_dtype": "cu_seqlens_q.dtype", "cu_pair": "go together", "cu_past_total": "exceeds",
+             "max_seqlen": "max_seqlen_k"}[bad]
+    if bad == "cu_dtype":
+        args["cu_seqlens_q"] = cu_q.long()
+    elif bad == "cu_pair":
+        args["cu_seqlens_k"] = None
+    elif bad == "cu_past_total":
+        args["cu_seqlens_k"] = torch.cat([cu_k[:-1], cu_k[-1:] + 1])
+    else:
+        args["max_seqlen_k"] = 100
+    with pytest.raises(ValueError, match=match):
+        stage.backward(**args)
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

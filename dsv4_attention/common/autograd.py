@@ -1,7 +1,8 @@
 """What the library differentiates, and the refusal everywhere else.
 
 Differentiable (stage F's backward, sm90): ``attention(q, k, v)`` with ``softmax_scale``,
-``causal``, ``window_size``, ``seqused_k`` and ``learnable_sink``, head dims 64 and 128, GQA / MQA, K = V (one
+``causal``, ``window_size``, ``seqused_k``, ``cu_seqlens_q`` / ``cu_seqlens_k`` (the forward's
+variable-length batches) and ``learnable_sink``, head dims 64 and 128, GQA / MQA, K = V (one
 gradient, dK + dV): :func:`dense_attention` wraps the forward in a ``torch.autograd.Function``
 that saves q, k, v, O, LSE and the sink (never P) and runs stage F's kernel in backward; the
 sink's gradient comes with it. LSE is returned without a gradient.
@@ -117,10 +118,12 @@ class _DenseAttention(torch.autograd.Function):
     """o, lse = run_forward(); backward: stage F's kernel on (q, k, v, o, lse, do, sink)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, learnable_sink, seqused_k, softmax_scale, causal, window_size, run_forward):
+    def forward(ctx, q, k, v, learnable_sink, seqused_k, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                window_size, max_seqlens, run_forward):
         o, lse = run_forward()
-        ctx.save_for_backward(q, k, v, o, lse, learnable_sink, seqused_k)
-        ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+        ctx.save_for_backward(q, k, v, o, lse, learnable_sink, seqused_k, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           max_seqlen_q=max_seqlens[0], max_seqlen_k=max_seqlens[1])
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -128,22 +131,26 @@ class _DenseAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         from dsv4_attention import stages  # the registry: a call-time lookup, not an import of the kernel
 
-        q, k, v, o, lse, sink, used = ctx.saved_tensors
+        q, k, v, o, lse, sink, used, cu_q, cu_k = ctx.saved_tensors
         grads = stages.get("f").module.backward(q, k, v, o, lse, do.contiguous(), learnable_sink=sink,
-                                                seqused_k=used, **ctx.options)
+                                                seqused_k=used, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **ctx.options)
         dsink = grads[3] if sink is not None else None
-        return grads[0], grads[1], grads[2], dsink, None, None, None, None, None
+        return (grads[0], grads[1], grads[2], dsink) + (None,) * 8
 
 
-def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, learnable_sink=None, seqused_k=None):
+def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, learnable_sink=None, seqused_k=None,
+                    varlen=(None, None, None, None)):
     """``run_forward()`` (the forward kernel's (o, lse) for q, k, v and the sink) made
     differentiable in q, k, v and ``learnable_sink``; raises :class:`NotDifferentiableError` before
     any launch where stage F cannot serve the inputs. v may be k (K = V): autograd adds its two
-    gradients."""
+    gradients. ``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a
+    variable-length batch (packed [total, heads, d] tensors), or Nones."""
     from dsv4_attention import stages
 
     why = stages.get("f").module.serves(q, k, v)
     if why is not None:
         raise NotDifferentiableError(f"attention cannot be differentiated here: {why}. Call it under torch.no_grad() "
                                      f"or with detached inputs (docs/training.md)")
-    return _DenseAttention.apply(q, k, v, learnable_sink, seqused_k, softmax_scale, causal, window_size, run_forward)
+    cu_q, cu_k, max_q, max_k = varlen
+    return _DenseAttention.apply(q, k, v, learnable_sink, seqused_k, cu_q, cu_k, softmax_scale, causal, window_size,
+                                 (max_q, max_k), run_forward)

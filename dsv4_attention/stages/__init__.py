@@ -125,8 +125,10 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         sink = None if learnable_sink is None else learnable_sink.detach()
         return dense_attention(q, k, k if v is None else v, softmax_scale, causal, window_size, lambda: final(
             q.detach(), k.detach(), None if v is None else v.detach(), softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, learnable_sink=sink, pack_gqa=pack_gqa, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k), learnable_sink=learnable_sink, seqused_k=seqused_k)
+            window_size=window_size, learnable_sink=sink, pack_gqa=pack_gqa, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k),
+            learnable_sink=learnable_sink, seqused_k=seqused_k,
+            varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     refuse_grad("attention", q=q, k=k, v=v, compressed_kv=compressed_kv, learnable_sink=learnable_sink)
     key = None
     if topk_indices is None and seqused_k is None and cu_seqlens_q is None and cu_seqlens_k is None and \
@@ -155,11 +157,12 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
 def _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink, positions,
                     out, lse_out, num_splits) -> bool:
     """Whether stage F's backward covers the call's options (common/autograd.py): dense attention
-    with a scale, causal, a window, seqused_k and the sink; everything else is refused under grad
-    mode."""
-    del learnable_sink, seqused_k  # covered: stage F takes both (and returns the sink's gradient)
-    return all(x is None for x in (compressed_kv, topk_indices, cu_seqlens_q, cu_seqlens_k,
-                                   positions, out, lse_out)) and num_splits in (1, None)
+    with a scale, causal, a window, seqused_k, variable-length batches and the sink; everything
+    else is refused under grad mode."""
+    # covered: stage F takes the sink (returning its gradient), seqused_k and the offsets
+    del learnable_sink, seqused_k, cu_seqlens_q, cu_seqlens_k
+    return all(x is None for x in (compressed_kv, topk_indices, positions, out, lse_out)) and \
+        num_splits in (1, None)
 
 
 def get(stage_id: str) -> Stage:

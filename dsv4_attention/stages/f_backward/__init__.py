@@ -1,18 +1,20 @@
 """Stage F: the backward of attention (training). dQ, dK, dV of dense attention from the forward's
 O and LSE, recomputing P tile by tile: nothing of size seqlen_q x seqlen_k is ever stored.
 
-The first step of issue 44: head dims 64 and 128, bf16 / fp16, GQA / MQA (the group's dK and dV
+Issue 44's first steps: head dims 64 and 128, bf16 / fp16, GQA / MQA (the group's dK and dV
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
-convention), per-batch key counts (``seqused_k``), on Hopper (sm90.py). Three launches a call: D = rowsum(dO * O) and the padded LSE
-(torch, elementwise), the kernel (dK, dV complete; dQ accumulated in fp32 across KV tiles), and
-dQ's rounding to q's dtype (torch). ``deterministic`` (or ``torch.use_deterministic_algorithms``)
-adds dQ's partial sums KV tile by KV tile (a counter per Q tile), so every gradient is bitwise
-repeatable. The attention sink (stage D5's ``learnable_sink``) is one
-more key with value 0: the kernel runs unchanged on LSE' = logaddexp(LSE, sink[h]) and the
-sink-scaled O, and the sink's gradient, - sum over rows of exp(sink[h] - LSE') D, is a reduction
-on the host. The sm100 kernel, head dims 256 and 512, variable-length batches and DeepSeek-V4's
-gathered entries are not built yet: those calls refuse gradients (common/autograd.py), never
-return a silent missing one.
+convention), per-batch key counts (``seqused_k``) and variable-length batches (``cu_seqlens_q`` /
+``cu_seqlens_k``, packed [total, heads, d] tensors), on Hopper (sm90.py). Three launches a call:
+D = rowsum(dO * O) and the padded LSE (torch, elementwise), the kernel (dK, dV complete; dQ
+accumulated in fp32 across KV tiles), and dQ's rounding to q's dtype (torch; a variable-length
+batch's dQ, dK and dV gathered from rows padded per request, common/varlen.py).
+``deterministic`` (or ``torch.use_deterministic_algorithms``) adds dQ's partial sums KV tile by
+KV tile (a counter per Q tile), so every gradient is bitwise repeatable. The attention sink
+(stage D5's ``learnable_sink``) is one more key with value 0: the kernel runs unchanged on LSE' =
+logaddexp(LSE, sink[h]) and the sink-scaled O, and the sink's gradient, - sum over rows of
+exp(sink[h] - LSE') D, is a reduction on the host. The sm100 kernel, head dims 256 and 512 and
+DeepSeek-V4's gathered entries are not built yet: those calls refuse gradients
+(common/autograd.py), never return a silent missing one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
 from dsv4_attention.common.bench import visible_pairs
+from dsv4_attention.common.interface import MAX_GRID_YZ, check_varlen_shapes
 from dsv4_attention.common.validation import (
+    check_cu_seqlens,
     check_out,
     check_qkv,
     check_scale,
@@ -32,6 +36,7 @@ from dsv4_attention.common.validation import (
     check_sink,
     check_window,
 )
+from dsv4_attention.common.varlen import padded_index, padded_total
 
 ID = "f"
 NAME = "backward"
@@ -40,6 +45,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90"}
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
+TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
 LOG2E = math.log2(math.e)
 
 make_kernel = jit.kernel_maker(KERNELS)
@@ -53,7 +59,8 @@ def example_args(dtype: torch.dtype, head_dim: int, **_):
     stats = torch.empty(2, 4, rows, dtype=torch.float32)
     return [q, k, k.clone(), q.clone(), stats, stats.clone(), torch.empty(2, rows, 4, head_dim, dtype=torch.float32),
             k.clone(), k.clone(), torch.empty(2, 4, rows // TILE_M, dtype=torch.int32),
-            torch.empty(2, dtype=torch.int32), 0.125 * LOG2E, 0.125, 0, 0, jit.STREAM]
+            torch.empty(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+            1000, 0.125 * LOG2E, 0.125, 0, 0, jit.STREAM]
 
 
 def padded_rows(seqlen_q: int) -> int:
@@ -66,20 +73,26 @@ def _clamp(bound, limit: int) -> int:
 
 
 def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal: bool = False,
-             window_size=(None, None), seqused_k=None, learnable_sink=None, deterministic: bool | None = None,
-             dk_out=None, dv_out=None):
+             window_size=(None, None), seqused_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, learnable_sink=None,
+             deterministic: bool | None = None, dk_out=None, dv_out=None):
     """Gradients of ``o = attention(q, k, v, softmax_scale, causal, window_size, learnable_sink)``
     (the loss's gradient reaches o only: LSE is an output without one).
 
     Args:
-        q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head_dim 64 or 128.
-        k, v: [batch, seqlen_k, kv_heads, head_dim] (kv_heads dividing heads); v may be k.
-        o: the forward's output, like q; lse: its [batch, heads, seqlen_q] fp32 LSE (natural
-            log; -inf where a row saw no key).
+        q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head_dim 64 or 128; [total_q, heads,
+            head_dim] with ``cu_seqlens_q``.
+        k, v: [batch, seqlen_k, kv_heads, head_dim] (kv_heads dividing heads; [total_k, ...] with
+            ``cu_seqlens_k``); v may be k.
+        o: the forward's output, like q; lse: its [batch, heads, seqlen_q] ([heads, total_q]
+            varlen) fp32 LSE (natural log; -inf where a row saw no key).
         do: the gradient of the loss with respect to o, like q.
         softmax_scale, causal, window_size: the forward's.
         seqused_k: the forward's [batch] int32 key counts, or None: batch b's keys are the first
             seqused_k[b] (the others get dK = dV = 0), its queries aligned to them bottom-right.
+        cu_seqlens_q, cu_seqlens_k: [requests + 1] int32 offsets of a variable-length batch (the
+            forward's); max_seqlen_q, max_seqlen_k: the longest request (read from the offsets
+            when None: one device synchronisation; required inside a CUDA graph capture).
         learnable_sink: the forward's [heads] fp32 sink, or None; then o is the sink-scaled output
             and lse the LSE without the sink, as the forward returns them.
         deterministic: add dQ's partial sums in a fixed order (KV tile by KV tile), so that every
@@ -95,6 +108,13 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     Raises:
         ValueError: before any launch, for an input the kernel does not serve, naming it.
     """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:  # packed [total, heads, d] tensors run as one batch of their rows (common/varlen.py)
+        check_varlen_shapes(q, k, v, None, None, seqused_k, None, None, None)
+        for name, t in (("o", o), ("do", do)):
+            check_out(name, t, tuple(q.shape), q.dtype, q.device)
+        check_out("lse", lse, (q.shape[1], q.shape[0]), torch.float32, q.device)
+        q, k, v, o, lse, do = q[None], k[None], v[None], o[None], lse[None], do[None]
     check_qkv(q, k, v, HEAD_DIMS)
     if k.shape[1] == 0:
         raise ValueError("seqlen_k must be at least 1 for the backward")
@@ -107,39 +127,69 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     scale = check_scale(softmax_scale, q.shape[3])
     left, right = check_window(causal, window_size)
     b, sq, h, d = q.shape
+    max_q, max_k = sq, k.shape[1]
+    if varlen:
+        max_q, max_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, sq, k.shape[1], q.device, max_seqlen_q,
+                                        max_seqlen_k)
+        if cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
+            raise ValueError(f"at most {MAX_GRID_YZ} requests (grid z); got {cu_seqlens_q.shape[0] - 1}")
     if seqused_k is not None:
         check_seqused_k(seqused_k, b, k.shape[1], q.device)
     if learnable_sink is not None:
         check_sink(learnable_sink, h, q.device)
         lse = torch.logaddexp(lse, learnable_sink[None, :, None])  # the sink joins the normalizer
-    rows = padded_rows(sq)
-    # LSE in the exp2 domain; a row that saw no key gets +inf, so its P is 0 and so are its gradients
-    lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32, device=q.device)
-    lse2[..., :sq] = torch.where(torch.isneginf(lse), math.inf, lse * LOG2E)
-    dsum = torch.zeros((b, h, rows), dtype=torch.float32, device=q.device)
-    dsum[..., :sq] = (do.float() * o.float()).sum(-1).transpose(1, 2)
-    dq_acc = torch.zeros((b, rows, h, d), dtype=torch.float32, device=q.device)
     for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
         if t is not None:
-            check_out(name, t, k.shape, k.dtype, k.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk_out is None else dk_out
-    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dv_out is None else dv_out
-    limit = sq + k.shape[1]
+            check_out(name, t, k.shape[1:] if varlen else k.shape, k.dtype, k.device)
+    # LSE in the exp2 domain; a row that saw no key gets +inf, so its P is 0 and so are its gradients
+    lse2_rows = torch.where(torch.isneginf(lse), math.inf, lse * LOG2E)
+    dsum_rows = (do.float() * o.float()).sum(-1).transpose(1, 2)  # D = rowsum(dO * O), [b, h, sq]
+    if varlen:  # rows padded per request; dK and dV through a padded workspace too
+        requests = cu_seqlens_q.shape[0] - 1
+        rows, q_rows = padded_total(sq, requests, TILE_M), padded_index(cu_seqlens_q, sq, TILE_M)
+        k_rows = padded_index(cu_seqlens_k, k.shape[1], TILE_N)
+        kv_shape = (1, padded_total(k.shape[1], requests, TILE_N)) + tuple(k.shape[2:])
+        dk = torch.empty(kv_shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(kv_shape, dtype=k.dtype, device=k.device)
+    else:
+        requests, rows, q_rows = b, padded_rows(sq), slice(0, sq)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk_out is None else dk_out
+        dv = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dv_out is None else dv_out
+    lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32, device=q.device)
+    lse2[..., q_rows] = lse2_rows
+    dsum = torch.zeros((b, h, rows), dtype=torch.float32, device=q.device)
+    dsum[..., q_rows] = dsum_rows
+    dq_acc = torch.zeros((b, rows, h, d), dtype=torch.float32, device=q.device)
+    limit = max_q + max_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    # deterministic dQ: per (batch, head, Q tile), how many KV tiles have added their sum
-    turns = torch.zeros((b, h, rows // TILE_M) if deterministic else (1, 1, 1), dtype=torch.int32, device=q.device)
-    used = seqused_k if seqused_k is not None else turns.new_zeros((1,))  # (read only with has_seqused)
-    args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, turns, used, float(scale * LOG2E), float(scale),
-            _clamp(left, limit), _clamp(right, limit), jit.STREAM]
+    # deterministic dQ: per (request, head, Q tile), how many KV tiles have added their sum
+    turns = torch.zeros((requests, h, -(-max_q // TILE_M)) if deterministic else (1, 1, 1), dtype=torch.int32,
+                        device=q.device)
+    unused = turns.new_zeros((2,))  # stands for the tensors the call's options do not read
+    args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, turns, unused if seqused_k is None else seqused_k,
+            cu_seqlens_q if varlen else unused, cu_seqlens_k if varlen else unused, max_k,
+            float(scale * LOG2E), float(scale), _clamp(left, limit), _clamp(right, limit), jit.STREAM]
     options = {"has_left": left is not None, "has_right": right is not None, "deterministic": bool(deterministic),
-               "has_seqused": seqused_k is not None}
+               "has_seqused": seqused_k is not None, "varlen": varlen}
     jit.launch(ID, KERNELS, arch, q.dtype, d, args, options)
+    dq = dq_acc[:, q_rows].to(q.dtype)
+    if varlen:
+        dq = dq[0]
+        dk, dv = _unpad(dk[0], k_rows, dk_out), _unpad(dv[0], k_rows, dv_out)
     if learnable_sink is None:
-        return dq_acc[:, :sq].to(q.dtype), dk, dv
+        return dq, dk, dv
     # the sink's probability per row (0 where LSE' = -inf: neither a key nor a finite sink)
     p_sink = torch.exp(learnable_sink[None, :, None] - lse).nan_to_num(0.0)
-    return dq_acc[:, :sq].to(q.dtype), dk, dv, -(p_sink * dsum[..., :sq]).sum((0, 2))
+    return dq, dk, dv, -(p_sink * dsum_rows).sum((0, 2))
+
+
+def _unpad(padded, rows, out):
+    """A request-padded [rows, heads, d] gradient back in packed rows (into ``out`` if given)."""
+    if out is None:
+        return padded[rows]
+    torch.index_select(padded, 0, rows, out=out)
+    return out
 
 
 def flops(batch, seqlen_q, seqlen_k, heads, head_dim, causal: bool = False, window_size=(None, None)) -> int:
@@ -153,9 +203,9 @@ def serves(q, k, v) -> str | None:
     before the forward runs, so that a training step never computes a forward it cannot finish)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "q, k and v must be tensors"
-    if q.dim() != 4 or q.shape[-1] not in HEAD_DIMS:
-        return (f"the backward serves head dims {HEAD_DIMS} of [batch, seqlen, heads, head_dim] tensors; "
-                f"got q {tuple(q.shape)}")
+    if q.dim() not in (3, 4) or q.shape[-1] not in HEAD_DIMS:
+        return (f"the backward serves head dims {HEAD_DIMS} of [batch, seqlen, heads, head_dim] tensors "
+                f"([total, heads, head_dim] varlen); got q {tuple(q.shape)}")
     if q.dtype not in DTYPES:
         return f"the backward serves {DTYPES}; got {q.dtype}"
     if q.device.type != "cuda":

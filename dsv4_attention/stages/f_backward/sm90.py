@@ -18,6 +18,11 @@ Work decomposition
             sum per KV tile: the consumers write scale * dS K to SMEM and the dQ warp adds it into an
             fp32 accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add; the host
             rounds the accumulator to q's dtype).
+            A variable-length batch (``varlen``): grid z is the request, x the longest request's KV
+            tiles (a tile past its request's keys visits nothing and stores nothing); Q, dO, K, V
+            are the packed tensors offset to the request's first row, and LSE2, D, dQacc, dK, dV
+            rows padded per request, so that a whole tile written for one request never reaches the
+            next (common/varlen.py; the host gathers the gradients back).
     block = 128 x 3 threads:
             warpgroup 0      producer (setmaxnreg 24): warp 0 issues every TMA load; warp 1, the
                              dQ warp, issues the TMA reductions of dQ.
@@ -100,6 +105,7 @@ from dsv4_attention.common.sm90_gemm import (
     tile_tma_partition,
 )
 from dsv4_attention.common.softmax import acc_cols_view
+from dsv4_attention.common.varlen import batch_rows, padded_start
 from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range, visit
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -128,6 +134,7 @@ class FlashAttentionBackwardSm90:
         has_right: bool = False,
         deterministic: bool = False,
         has_seqused: bool = False,
+        varlen: bool = False,
         tile_m: int = 64,
         tile_n: int = NUM_WG * WGMMA_M,
         stages: int = 2,
@@ -144,6 +151,7 @@ class FlashAttentionBackwardSm90:
         self.has_right = has_right
         self.deterministic = deterministic
         self.has_seqused = has_seqused
+        self.varlen = varlen
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
@@ -170,6 +178,9 @@ class FlashAttentionBackwardSm90:
         mdV: cute.Tensor,
         mSem: cute.Tensor,  # (batch, heads, Q tiles) int32, zeroed: dQ's turns (deterministic only)
         mSeqused: cute.Tensor,  # (batch,) int32: each batch's key count (has_seqused only)
+        mCuQ: cute.Tensor,  # (batch + 1,) int32: a variable-length batch's query offsets (varlen only)
+        mCuK: cute.Tensor,  # (batch + 1,) int32: its key offsets (varlen only)
+        max_seqlen_k: cutlass.Int32,  # the longest batch's keys: the grid's KV tiles (varlen only)
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -228,13 +239,15 @@ class FlashAttentionBackwardSm90:
 
         self.shared_storage = SharedStorage
 
-        grid = (cute.ceil_div(seqlen_k, tn), mK.shape[2], mK.shape[3])
+        kv_tiles = cute.ceil_div(max_seqlen_k if cutlass.const_expr(self.varlen) else seqlen_k, tn)
+        batches = mCuQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mK.shape[3]
+        grid = (kv_tiles, mK.shape[2], batches)
         self.kernel(
             sdp_mma, dkv_mma, dq_mma,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, tma_atom_dq, tma_dq,
-            tma_atom_lse, tma_lse, tma_atom_d, tma_d, mSem, mSeqused, scale_log2, scale, left, right, seqlen_q,
-            seqlen_k,
+            tma_atom_lse, tma_lse, tma_atom_d, tma_d, mSem, mSeqused, mCuQ, mCuK, scale_log2, scale, left, right,
+            seqlen_q, seqlen_k,
             sQ_layout, sQt_layout, sKV_layout, sKVt_layout, sdS_layout, sdSt_layout, sdQ_layout, sStat_layout,
         ).launch(
             grid=grid,
@@ -269,6 +282,8 @@ class FlashAttentionBackwardSm90:
         mD: cute.Tensor,
         mSem: cute.Tensor,
         mSeqused: cute.Tensor,
+        mCuQ: cute.Tensor,
+        mCuK: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         left: cutlass.Int32,
@@ -325,6 +340,22 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
 
+        # the batch's tensors: a slice of the batched ones, or (varlen) the packed ones offset to the
+        # batch's first row, where LSE2, D, dQacc, dK and dV are padded per batch (common/varlen.py)
+        tb, k_rows = batch, seqlen_k
+        if cutlass.const_expr(self.varlen):
+            tb = 0
+            q_start, k_start = mCuQ[batch], mCuK[batch]
+            seqlen_q, seqlen_k = mCuQ[batch + 1] - q_start, mCuK[batch + 1] - k_start
+            k_rows = seqlen_k
+            q_pad, k_pad = padded_start(q_start, batch, self.tile_m), padded_start(k_start, batch, self.tile_n)
+            mQ, mdO = batch_rows(mQ, tb, q_start), batch_rows(mdO, tb, q_start)
+            mK, mV = batch_rows(mK, tb, k_start), batch_rows(mV, tb, k_start)
+            mLSE2, mD, mdQacc = [batch_rows(t, tb, q_pad) for t in (mLSE2, mD, mdQacc)]
+            mdK, mdV = [batch_rows(t, tb, k_pad) for t in (mdK, mdV)]
+        else:
+            mQ, mdO, mK, mV, mLSE2, mD, mdQacc, mdK, mdV = [
+                batch_rows(t, tb) for t in (mQ, mdO, mK, mV, mLSE2, mD, mdQacc, mdK, mdV)]
         if cutlass.const_expr(self.has_seqused):
             # the batch's keys: alignment, masks and span (the tensor may be longer); clamped as the
             # forward does (a CUDA graph's capture skips the host's check of the values)
@@ -337,7 +368,7 @@ class FlashAttentionBackwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(kv_bar, pipeline_q, pipeline_do, n_block, head_kv, batch, group, m_lo, m_count, visits,
+                self.load(kv_bar, pipeline_q, pipeline_do, n_block, head_kv, group, m_lo, m_count, visits,
                           tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV,
                           tma_atom_lse, mLSE2, sLSE, tma_atom_d, mD, sD)
             if warp_idx == 1:
@@ -350,7 +381,7 @@ class FlashAttentionBackwardSm90:
                 sQ, sQt, sdO, sdOt, sK, sKt, sV, sdS, sdSt, sdQ,
                 tma_atom_dk, mdK, tma_atom_dv, mdV, sLSE, sD,
                 scale_log2, scale, left, right, seqlen_q, seqlen_k,
-                n_block, head_kv, batch, group, m_lo, m_count, visits,
+                n_block, head_kv, group, m_lo, m_count, visits, k_rows,
             )
 
     # -------------------------------------------------------------------------------
@@ -365,7 +396,6 @@ class FlashAttentionBackwardSm90:
         pipeline_do: pipeline.PipelineTmaAsync,
         n_block: cutlass.Int32,
         head_kv: cutlass.Int32,
-        batch: cutlass.Int32,
         group: cutlass.Int32,
         m_lo: cutlass.Int32,
         m_count: cutlass.Int32,
@@ -380,8 +410,8 @@ class FlashAttentionBackwardSm90:
         """K, V of the tile once (kv_bar), then Q with its LSE2 and dO with its D for each visit,
         head-major."""
         d = self.head_dim
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv], (self.tile_n, d), (None, 0))
         tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
         tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
         if visits > 0:
@@ -392,12 +422,12 @@ class FlashAttentionBackwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for it in cutlass.range(visits, unroll=1):
             head, m_block = visit(it, head_kv, group, m_lo, m_count)
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gQ = cute.local_tile(mQ[None, None, head], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
             tOsdO, tOgdO = tile_tma_partition(tma_atom_do, sdO, gdO)
-            gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (None,))
-            gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (None,))
+            gLSE = cute.local_tile(mLSE2[None, head], (self.tile_m,), (None,))
+            gD = cute.local_tile(mD[None, head], (self.tile_m,), (None,))
             tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
                                                cute.group_modes(gLSE, 0, 1))
             tDsD, tDgD = cpasync.tma_partition(tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 1),
@@ -446,7 +476,7 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
         for it in cutlass.range(visits, unroll=1):
             head, m_block = visit(it, head_kv, group, m_lo, m_count)
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdQ = cute.local_tile(mdQacc[None, None, head], (self.tile_m, self.head_dim), (None, 0))
             tQsdQ, tQgdQ = tile_tma_partition(tma_atom_dq, sdQ, gdQ)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
             # the reduce copy elects its own lane: inside elect_one its elect.sync would run on one
@@ -499,11 +529,11 @@ class FlashAttentionBackwardSm90:
         seqlen_k: cutlass.Int32,
         n_block: cutlass.Int32,
         head_kv: cutlass.Int32,
-        batch: cutlass.Int32,
         group: cutlass.Int32,
         m_lo: cutlass.Int32,
         m_count: cutlass.Int32,
         visits: cutlass.Int32,
+        k_rows: cutlass.Int32,
     ):
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
@@ -600,9 +630,15 @@ class FlashAttentionBackwardSm90:
         # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V) -> TMA -------------------
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale
-        gdK = cute.local_tile(mdK[None, None, head_kv, batch], (tn, d), (None, 0))
-        gdV = cute.local_tile(mdV[None, None, head_kv, batch], (tn, d), (None, 0))
-        store_o(acc_dk, sK, thr_dkv, tma_atom_dk, gdK, n_block, int(Sm90BwdBarrier.EPILOGUE_DK),
-                self.consumer_threads, leader)
-        store_o(acc_dv, sV, thr_dkv, tma_atom_dv, gdV, n_block, int(Sm90BwdBarrier.EPILOGUE_DV),
-                self.consumer_threads, leader)
+        gdK = cute.local_tile(mdK[None, None, head_kv], (tn, d), (None, 0))
+        gdV = cute.local_tile(mdV[None, None, head_kv], (tn, d), (None, 0))
+        # a variable-length batch's tile past its rows stores nothing: its box would reach the next
+        # batch's padded rows (a batched tensor's tile past seqused_k stores its zeros)
+        stores = True
+        if cutlass.const_expr(self.varlen):
+            stores = key0 < k_rows
+        if stores:
+            store_o(acc_dk, sK, thr_dkv, tma_atom_dk, gdK, n_block, int(Sm90BwdBarrier.EPILOGUE_DK),
+                    self.consumer_threads, leader)
+            store_o(acc_dv, sV, thr_dkv, tma_atom_dv, gdV, n_block, int(Sm90BwdBarrier.EPILOGUE_DV),
+                    self.consumer_threads, leader)
