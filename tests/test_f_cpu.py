@@ -30,15 +30,22 @@ from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range, v
 pytestmark = [pytest.mark.stage_f]
 
 
+def leaves(seed: int, kv_shared: bool):
+    """float64 q [2, 9, 4, 16], k and v [2, 13, 2, 16] (v is k where kv_shared) requiring grad, the
+    generator that made them."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    v = k if kv_shared else torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    return q, k, v, g
+
+
 @pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(5, 3)), dict(window_size=(None, 2)),
                                   dict(kv_shared=True), dict(causal=True, kv_shared=True)],
                          ids=["full", "causal", "window", "right", "k_eq_v", "causal_k_eq_v"])
 def test_reference_backward_is_autograds(case):
-    g = torch.Generator().manual_seed(11)
     kv_shared = case.pop("kv_shared", False)
-    q = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
-    k = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
-    v = k if kv_shared else torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    q, k, v, g = leaves(11, kv_shared)
     do = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g)
     o, _ = reference.attention(q, k, v, 0.3, **case)
     o.backward(do)
@@ -52,11 +59,8 @@ def test_reference_backward_is_autograds(case):
 @pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window_size=(5, 3)), dict(kv_shared=True)],
                          ids=["full", "causal", "window", "k_eq_v"])
 def test_reference_sink_backward_is_autograds(case):
-    g = torch.Generator().manual_seed(12)
     kv_shared = case.pop("kv_shared", False)
-    q = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g, requires_grad=True)
-    k = torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
-    v = k if kv_shared else torch.randn(2, 13, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    q, k, v, g = leaves(12, kv_shared)
     sink = torch.tensor([0.5, -2.0, 3.0, 1.0], dtype=torch.float64, requires_grad=True)  # 3.0: the sink dominates
     do = torch.randn(2, 9, 4, 16, dtype=torch.float64, generator=g)
     o, _ = reference.attention(q, k, v, 0.3, learnable_sink=sink, **case)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsv4_attention.stages.ops as ops
 from dsv4_attention import attention, stages
@@ -114,6 +115,45 @@ def test_op_gradient_plumbing_on_meta(stage_id, monkeypatch):
     o.float().sum().backward()
     assert q.grad.shape == q.shape and q.grad.dtype == q.dtype
     assert k.grad.shape == k.shape and sink.grad.shape == (8,) and sink.grad.dtype == torch.float32
+
+
+class _OpLog(TorchDispatchMode):
+    """Records every op dispatched inside it, with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((str(func), args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stage_id", [s.id for s in ATTENTION if "cu_seqlens_q" in ops.TAKES[s.id]])
+def test_op_gradient_plumbing_on_meta_varlen(stage_id, monkeypatch):
+    """The same on a variable-length batch (packed [total, heads, d] q and k, lse [heads, total]):
+    the backward runs the f_backward op with the forward's offsets and maxima, and each leaf gets
+    a gradient of its shape. Negative control: a call without the offsets passes none."""
+    monkeypatch.setattr(stages.get("f").module, "serves", lambda q, k, v: None)
+
+    def backward_call(**varlen):
+        q, k = meta(40, 8, 128).requires_grad_(True), meta(70, 2, 128).requires_grad_(True)
+        if not varlen:
+            q, k = meta(1, 40, 8, 128).requires_grad_(True), meta(1, 70, 2, 128).requires_grad_(True)
+        o, lse = ops.OPS[stage_id](q, k, k, causal=True, **varlen)
+        assert o.grad_fn is not None and not lse.requires_grad
+        with _OpLog() as log:
+            o.float().sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
+        (call,) = [c for c in log.calls if "f_backward" in c[0]]
+        return list(call[1]) + list(call[2].values())
+
+    cu_q, cu_k = meta(3, dtype=torch.int32), meta(3, dtype=torch.int32)
+    args = backward_call(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=30, max_seqlen_k=50)
+    ints = [a for a in args if type(a) is int]
+    assert any(a is cu_q for a in args) and any(a is cu_k for a in args) and 30 in ints and 50 in ints
+    plain = backward_call()
+    assert not any(isinstance(a, torch.Tensor) and a.dtype == torch.int32 for a in plain)
 
 
 def test_qk_and_index_ops_refuse_grad():

@@ -72,16 +72,16 @@ def refuse_op_grad(op, what: str) -> None:
 
 #: the attention ops' arguments that stage F's backward does not cover: a call with one of them
 #: given (not None) refuses gradients
-_OP_UNCOVERED = ("cu_seqlens_q", "cu_seqlens_k", "compressed_kv", "compress_ratio", "topk_indices",
-                 "kv_start", "positions", "cu_seqlens_compressed")
+_OP_UNCOVERED = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions", "cu_seqlens_compressed")
 
 
 def register_attention_op_grad(op, what: str, backward_op) -> None:
     """Register on the attention op ``op`` (stages/ops.py's shared schema) the autograd rule of
     dense attention: where stage F serves the call (no option of ``_OP_UNCOVERED``, one split,
-    ``serves(q, k, v)``), save q, k, v, O, LSE, the sink and seqused_k and run ``backward_op`` (q, k,
-    v, o, lse, do, softmax_scale, causal, window_left, window_right, learnable_sink, seqused_k) ->
-    (dq, dk, dv, dsink) in
+    ``serves(q, k, v)``), save q, k, v, O, LSE, the sink, seqused_k and a variable-length batch's
+    offsets and run ``backward_op`` (q, k, v, o, lse, do, softmax_scale, causal, window_left,
+    window_right, learnable_sink, seqused_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) -> (dq, dk, dv, dsink) in
     backward; elsewhere raise :class:`NotDifferentiableError` naming the input that requires grad.
     LSE is marked non-differentiable, as in :func:`dense_attention`."""
     names = [a.name for a in op._opoverload._schema.arguments]
@@ -100,14 +100,16 @@ def register_attention_op_grad(op, what: str, backward_op) -> None:
                                          f"or with detached inputs (docs/training.md)")
         o, lse = output
         ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("learnable_sink"),
-                              args.get("seqused_k"))
+                              args.get("seqused_k"), args.get("cu_seqlens_q"), args.get("cu_seqlens_k"))
         ctx.options = (args.get("softmax_scale"), bool(args.get("causal")), args.get("window_left"),
                        args.get("window_right"))
+        ctx.max_seqlens = (args.get("max_seqlen_q"), args.get("max_seqlen_k"))
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, sink, used = ctx.saved_tensors
-        dq, dk, dv, dsink = backward_op(q, k, v, o, lse, do.contiguous(), *ctx.options, sink, used)
+        q, k, v, o, lse, sink, used, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv, dsink = backward_op(q, k, v, o, lse, do.contiguous(), *ctx.options, sink, used, cu_q, cu_k,
+                                        *ctx.max_seqlens)
         grads = dict(q=dq, k=dk, v=dv, learnable_sink=dsink if sink is not None else None)
         return tuple(grads.get(n) for n in names)
 

@@ -23,11 +23,13 @@ never alias or mutate their inputs. K = V is still detected from the tensors the
 
 Gradients (common/autograd.py): the attention stages' ops are differentiable in q, k, v and
 ``learnable_sink`` where stage F's backward serves the call (dense attention with a scale, causal,
-a window, ``seqused_k`` and the sink; sm90, head dims 64 / 128), through the op
+a window, ``seqused_k``, variable-length batches and the sink; sm90, head dims 64 / 128), through
+the op
 
     dsv4_attention::f_backward(q, k, v, o, lse, do, softmax_scale=None, causal=False,
                                window_left=None, window_right=None, learnable_sink=None,
-                               seqused_k=None)
+                               seqused_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                               max_seqlen_q=None, max_seqlen_k=None)
         -> (dq, dk, dv, dsink)          (dsink [heads] fp32; empty without a sink)
 
 which has a fake implementation, so ``torch.compile(fullgraph=True)`` traces forward and
@@ -86,19 +88,23 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
                        do: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
                        window_left: int | None = None, window_right: int | None = None,
                        learnable_sink: torch.Tensor | None = None,
-                       seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor]:
+                       seqused_k: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                       max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
     """Stage F's backward as an op: (dq, dk, dv, dsink); dsink is empty ([0] fp32) without a sink."""
     grads = stages.get("f").module.backward(q, k, v, o, lse, do, softmax_scale=softmax_scale, causal=causal,
                                             window_size=(window_left, window_right), learnable_sink=learnable_sink,
-                                            seqused_k=seqused_k)
+                                            seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     dsink = grads[3] if learnable_sink is not None else q.new_empty((0,), dtype=torch.float32)
     return grads[0], grads[1], grads[2], dsink
 
 
 @attention_backward.register_fake
 def _(q, k, v, o, lse, do, softmax_scale=None, causal=False, window_left=None, window_right=None,
-      learnable_sink=None, seqused_k=None):
+      learnable_sink=None, seqused_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+      max_seqlen_k=None):
     dsink = q.new_empty((0,) if learnable_sink is None else tuple(learnable_sink.shape), dtype=torch.float32)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),

@@ -106,7 +106,7 @@ from dsv4_attention.common.sm90_gemm import (
 )
 from dsv4_attention.common.softmax import acc_cols_view
 from dsv4_attention.common.varlen import batch_rows, padded_start
-from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range, visit
+from dsv4_attention.stages.f_backward.span import Visits, first_kv_tile, q_tile_range
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WG = 2  # consumer warpgroups: 128 keys
@@ -145,13 +145,11 @@ class FlashAttentionBackwardSm90:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         if tile_m != 64 or tile_n != NUM_WG * WGMMA_M:
             raise ValueError("the backward's tile is 64 queries x 128 keys")
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.has_left = has_left
-        self.has_right = has_right
-        self.deterministic = deterministic
-        self.has_seqused = has_seqused
-        self.varlen = varlen
+        self.dtype, self.head_dim = dtype, head_dim
+        # compile-time options: a left / right window bound, dQ's fixed order, per-batch key
+        # counts, a variable-length batch
+        self.has_left, self.has_right, self.deterministic = has_left, has_right, deterministic
+        self.has_seqused, self.varlen = has_seqused, varlen
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
@@ -362,26 +360,22 @@ class FlashAttentionBackwardSm90:
             seqlen_k = cutlass.min(cutlass.max(mSeqused[batch], 0), seqlen_k)
         m_lo, m_hi = q_tile_range(n_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left, right,
                                   self.has_left, self.has_right)
-        m_count = m_hi - m_lo
-        visits = group * m_count
+        work = Visits(n_block, head_kv, group, m_lo, m_hi - m_lo, group * (m_hi - m_lo), seqlen_q, seqlen_k)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(kv_bar, pipeline_q, pipeline_do, n_block, head_kv, group, m_lo, m_count, visits,
-                          tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO, tma_atom_k, mK, sK, tma_atom_v, mV, sV,
-                          tma_atom_lse, mLSE2, sLSE, tma_atom_d, mD, sD)
+                self.load(kv_bar, pipeline_q, pipeline_do, work, tma_atom_q, mQ, sQ, tma_atom_do, mdO, sdO,
+                          tma_atom_k, mK, sK, tma_atom_v, mV, sV, tma_atom_lse, mLSE2, sLSE, tma_atom_d, mD, sD)
             if warp_idx == 1:
-                self.store_dq(tma_atom_dq, mdQacc, sdQ, mSem, n_block, head_kv, batch, group, m_lo, m_count, visits,
-                              left, seqlen_q, seqlen_k)
+                self.store_dq(tma_atom_dq, mdQacc, sdQ, mSem, work, batch, left)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 sdp_mma, dkv_mma, dq_mma, kv_bar, pipeline_q, pipeline_do,
                 sQ, sQt, sdO, sdOt, sK, sKt, sV, sdS, sdSt, sdQ,
                 tma_atom_dk, mdK, tma_atom_dv, mdV, sLSE, sD,
-                scale_log2, scale, left, right, seqlen_q, seqlen_k,
-                n_block, head_kv, group, m_lo, m_count, visits, k_rows,
+                scale_log2, scale, left, right, work, k_rows,
             )
 
     # -------------------------------------------------------------------------------
@@ -394,12 +388,7 @@ class FlashAttentionBackwardSm90:
         kv_bar: cute.Pointer,
         pipeline_q: pipeline.PipelineTmaAsync,
         pipeline_do: pipeline.PipelineTmaAsync,
-        n_block: cutlass.Int32,
-        head_kv: cutlass.Int32,
-        group: cutlass.Int32,
-        m_lo: cutlass.Int32,
-        m_count: cutlass.Int32,
-        visits: cutlass.Int32,
+        work: Visits,
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, sQ: cute.Tensor,
         tma_atom_do: cute.CopyAtom, mdO: cute.Tensor, sdO: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor, sK: cute.Tensor,
@@ -410,18 +399,18 @@ class FlashAttentionBackwardSm90:
         """K, V of the tile once (kv_bar), then Q with its LSE2 and dO with its D for each visit,
         head-major."""
         d = self.head_dim
-        gK = cute.local_tile(mK[None, None, head_kv], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv], (self.tile_n, d), (None, 0))
+        gK = cute.local_tile(mK[None, None, work.head_kv], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, work.head_kv], (self.tile_n, d), (None, 0))
         tKsK, tKgK = tile_tma_partition(tma_atom_k, sK, gK)
         tVsV, tVgV = tile_tma_partition(tma_atom_v, sV, gV)
-        if visits > 0:
+        if work.visits > 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(kv_bar, 2 * self.tile_n * d * self.dtype.width // 8)
-            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_bar)
-            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
+            cute.copy(tma_atom_k, tKgK[None, work.n_block], tKsK[None, 0], tma_bar_ptr=kv_bar)
+            cute.copy(tma_atom_v, tVgV[None, work.n_block], tVsV[None, 0], tma_bar_ptr=kv_bar)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for it in cutlass.range(visits, unroll=1):
-            head, m_block = visit(it, head_kv, group, m_lo, m_count)
+        for it in cutlass.range(work.visits, unroll=1):
+            head, m_block = work.at(it)
             gQ = cute.local_tile(mQ[None, None, head], (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tile_tma_partition(tma_atom_q, sQ, gQ)
@@ -451,16 +440,9 @@ class FlashAttentionBackwardSm90:
         mdQacc: cute.Tensor,
         sdQ: cute.Tensor,
         mSem: cute.Tensor,
-        n_block: cutlass.Int32,
-        head_kv: cutlass.Int32,
+        work: Visits,
         batch: cutlass.Int32,
-        group: cutlass.Int32,
-        m_lo: cutlass.Int32,
-        m_count: cutlass.Int32,
-        visits: cutlass.Int32,
         left: cutlass.Int32,
-        seqlen_q: cutlass.Int32,
-        seqlen_k: cutlass.Int32,
     ):
         """Warp 1: each visit's dQ partial sum, once the consumers have written it to sdQ, added
         into the fp32 accumulator by one TMA reduction; sdQ handed back once the reduction has read
@@ -472,10 +454,10 @@ class FlashAttentionBackwardSm90:
         n - first_kv_tile(m), adds, waits for the reduction to land in global memory, and
         increments it (release). A CTA waits only for CTAs of lower block index (the KV tile is the
         grid's fastest dimension), which the GPU schedules first: no cycle."""
-        if visits > 0:
+        if work.visits > 0:
             cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
-        for it in cutlass.range(visits, unroll=1):
-            head, m_block = visit(it, head_kv, group, m_lo, m_count)
+        for it in cutlass.range(work.visits, unroll=1):
+            head, m_block = work.at(it)
             gdQ = cute.local_tile(mdQacc[None, None, head], (self.tile_m, self.head_dim), (None, 0))
             tQsdQ, tQgdQ = tile_tma_partition(tma_atom_dq, sdQ, gdQ)
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
@@ -484,8 +466,8 @@ class FlashAttentionBackwardSm90:
             # lane commits and waits; the lanes that issued nothing wait on empty groups.
             if cutlass.const_expr(self.deterministic):
                 turns = mSem[batch, head, None].iterator + m_block
-                mine = n_block - first_kv_tile(m_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left,
-                                               self.has_left)
+                mine = work.n_block - first_kv_tile(m_block, self.tile_n, self.tile_m, work.seqlen_q, work.seqlen_k,
+                                                    left, self.has_left)
                 seen = cute.arch.load(turns, cutlass.Int32, sem="acquire", scope="gpu")
                 while seen != mine:
                     seen = cute.arch.load(turns, cutlass.Int32, sem="acquire", scope="gpu")
@@ -500,7 +482,7 @@ class FlashAttentionBackwardSm90:
                 cute.arch.sync_warp()
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if it + 1 < visits:
+            if it + 1 < work.visits:
                 cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_EMPTY), number_of_threads=self.dq_threads)
 
     # -------------------------------------------------------------------------------
@@ -525,17 +507,11 @@ class FlashAttentionBackwardSm90:
         scale: cutlass.Float32,
         left: cutlass.Int32,
         right: cutlass.Int32,
-        seqlen_q: cutlass.Int32,
-        seqlen_k: cutlass.Int32,
-        n_block: cutlass.Int32,
-        head_kv: cutlass.Int32,
-        group: cutlass.Int32,
-        m_lo: cutlass.Int32,
-        m_count: cutlass.Int32,
-        visits: cutlass.Int32,
+        work: Visits,
         k_rows: cutlass.Int32,
     ):
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        seqlen_q, seqlen_k = work.seqlen_q, work.seqlen_k
         tidx = cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         wg_sdp = sdp_mma.get_slice(wg * THREADS_PER_WARPGROUP)
@@ -573,13 +549,13 @@ class FlashAttentionBackwardSm90:
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         offset = seqlen_k - seqlen_q  # query i sits at i + offset among the keys
-        key0 = n_block * tn
+        key0 = work.n_block * tn
 
-        if visits > 0:
+        if work.visits > 0:
             cute.arch.mbarrier_wait(kv_bar, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for it in cutlass.range(visits, unroll=1):
-            q0 = (m_lo + it % m_count) * tm
+        for it in cutlass.range(work.visits, unroll=1):
+            q0 = (work.m_lo + it % work.m_count) * tm
             pipeline_q.consumer_wait(state)
             gemm(sdp_mma, acc_s, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
             pipeline_do.consumer_wait(state)
@@ -630,15 +606,15 @@ class FlashAttentionBackwardSm90:
         # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V) -> TMA -------------------
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale
-        gdK = cute.local_tile(mdK[None, None, head_kv], (tn, d), (None, 0))
-        gdV = cute.local_tile(mdV[None, None, head_kv], (tn, d), (None, 0))
+        gdK = cute.local_tile(mdK[None, None, work.head_kv], (tn, d), (None, 0))
+        gdV = cute.local_tile(mdV[None, None, work.head_kv], (tn, d), (None, 0))
         # a variable-length batch's tile past its rows stores nothing: its box would reach the next
         # batch's padded rows (a batched tensor's tile past seqused_k stores its zeros)
         stores = True
         if cutlass.const_expr(self.varlen):
             stores = key0 < k_rows
         if stores:
-            store_o(acc_dk, sK, thr_dkv, tma_atom_dk, gdK, n_block, int(Sm90BwdBarrier.EPILOGUE_DK),
+            store_o(acc_dk, sK, thr_dkv, tma_atom_dk, gdK, work.n_block, int(Sm90BwdBarrier.EPILOGUE_DK),
                     self.consumer_threads, leader)
-            store_o(acc_dv, sV, thr_dkv, tma_atom_dv, gdV, n_block, int(Sm90BwdBarrier.EPILOGUE_DV),
+            store_o(acc_dv, sV, thr_dkv, tma_atom_dv, gdV, work.n_block, int(Sm90BwdBarrier.EPILOGUE_DV),
                     self.consumer_threads, leader)

@@ -25,7 +25,29 @@ alike): the kernel traces it and tests/test_f_span.py checks it against every (q
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
+
+
+class Visits(NamedTuple):
+    """A CTA's share of the backward: KV tile ``n_block`` of KV head ``head_kv`` visits, for each of
+    the ``group`` query heads that share it, Q tiles m_lo .. m_lo + m_count - 1: ``visits`` =
+    group * m_count visits in ``visit``'s order, in a batch of ``seqlen_q`` queries and
+    ``seqlen_k`` keys (the request's, in a variable-length batch). Kernel-side values."""
+
+    n_block: object
+    head_kv: object
+    group: object
+    m_lo: object
+    m_count: object
+    visits: object
+    seqlen_q: object
+    seqlen_k: object
+
+    def at(self, it):
+        """(query head, Q tile) of visit ``it``."""
+        return visit(it, self.head_kv, self.group, self.m_lo, self.m_count)
 
 
 def visit(it, head_kv, group, m_lo, m_count):
