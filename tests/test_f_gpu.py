@@ -286,6 +286,43 @@ def test_varlen_op_backward_and_torch_compile(arch, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("heads", [64, 128])
+def test_index_attention_backward(arch, heads, record_errors):
+    """DeepSeek-V4's sparse attention trained: index_attention (the kernel forward) with q, kv and
+    the sink requiring grad; loss.backward() runs stage F's torch-composed index_backward. Against
+    torch.autograd through the float64 reference: -1 padding, topk_length, a token with no valid
+    index, a row listed twice, a -inf sink (its gradient 0)."""
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    tokens, rows, k, d = 300, 2000, 512, 512
+    q = (torch.randn(tokens, heads, d, device="cuda", generator=g) / 4).bfloat16()
+    kv = (torch.randn(rows, 1, d, device="cuda", generator=g) / 4).bfloat16()
+    idx = torch.randint(0, rows, (tokens, 1, k), device="cuda", generator=g, dtype=torch.int32)
+    idx[5, 0, 100:] = -1
+    idx[7, 0, :] = -1
+    idx[9, 0, 1] = idx[9, 0, 0]
+    length = torch.randint(0, k + 1, (tokens,), device="cuda", generator=g, dtype=torch.int32)
+    sink = torch.randn(heads, device="cuda", generator=g)
+    sink[3] = -math.inf
+    do = torch.randn(tokens, heads, d, device="cuda", generator=g).bfloat16()
+    leaves = [t.clone().requires_grad_(True) for t in (q, kv, sink)]
+    o, lse = e_fused.index_attention(leaves[0], leaves[1], idx, topk_length=length, attn_sink=leaves[2])
+    assert o.grad_fn is not None and not lse.requires_grad
+    (o.float() * do.float()).sum().backward()
+    ref = [t.detach().double().requires_grad_(True) for t in (q, kv, sink)]
+    o_ref, _ = reference.dsv4_index_attention(ref[0], ref[1][:, 0], idx[:, 0], length, ref[2])
+    (o_ref * do.double()).sum().backward()
+    for name, out, r in (("dq", leaves[0].grad, ref[0].grad), ("dkv", leaves[1].grad, ref[1].grad)):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, index_mode=True, heads=heads)
+        assert e.within(2e-2, 8e-2), f"{name}: {e}"
+    finite = torch.isfinite(sink)
+    ds, ds_ref = leaves[2].grad, ref[2].grad
+    assert leaves[2].grad[3] == 0
+    rel = ((ds.double() - ds_ref)[finite].norm() / ds_ref[finite].norm()).item()
+    assert rel <= 1e-2, (ds, ds_ref)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 def test_autograd_through_attention_with_sink(arch, head_dim, record_errors):
     """q, k, v and the sink requiring grad, with seqused_k: loss.backward() reaches all four, equal

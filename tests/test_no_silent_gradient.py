@@ -71,15 +71,26 @@ def test_attention_names_the_argument(name):
 
 
 @pytest.mark.parametrize("name", ["q", "kv", "attn_sink"])
-def test_index_attention_names_the_argument(name):
+def test_index_attention_is_differentiable_or_names_why(name):
+    """Index mode has a backward (stage F's torch-composed index_backward): with any input requiring
+    grad a call takes the differentiable path (on CPU tensors its forward then refuses the device,
+    a ValueError, not a missing gradient); with ``out`` given or a paged FP8 cache it refuses naming
+    why."""
     q = torch.randn(3, 64, 512, dtype=torch.bfloat16)
     kv = torch.randn(10, 1, 512, dtype=torch.bfloat16)
     idx = torch.zeros(3, 1, 4, dtype=torch.int32)
     sink = torch.zeros(64)
     named = {"q": q, "kv": kv, "attn_sink": sink}
     named[name].requires_grad_(True)
-    with pytest.raises(NotDifferentiableError, match=rf"index_attention .* {name} requires grad"):
-        stages.get("e").module.index_attention(q, kv, idx, attn_sink=sink)
+    index_attention = stages.get("e").module.index_attention
+    with pytest.raises(ValueError, match="CUDA"):
+        index_attention(q, kv, idx, attn_sink=sink)
+    with pytest.raises(NotDifferentiableError, match="index_attention cannot be differentiated here: out is given"):
+        index_attention(q, kv, idx, attn_sink=sink, out=torch.empty_like(q))
+    if name != "kv":
+        pages = torch.zeros(2, 64, 1, 584, dtype=torch.uint8)
+        with pytest.raises(NotDifferentiableError, match="a paged FP8 cache has no gradient"):
+            index_attention(q, pages, idx, attn_sink=sink)
 
 
 def meta(*shape, dtype=torch.bfloat16):

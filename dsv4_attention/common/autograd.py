@@ -22,8 +22,10 @@ the backward is the op ``dsv4_attention::f_backward``, with a fake implementatio
 refuse (:func:`refuse_op_grad`). torch runs an op's autograd context after its forward, so there
 the error comes after the kernel ran, still at the forward call and never as a missing gradient.
 
-The backward (issue 44) replaces these refusals call by call; docs/training.md lists what is
-differentiable.
+Index mode (``e_fused.index_attention``, DeepSeek-V4's sparse attention) is differentiable in q,
+kv and the sink through :func:`index_attention`, whose backward is stage F's torch-composed
+``index_backward`` (no kernel yet). The backward (issue 44) replaces these refusals call by call;
+docs/training.md lists what is differentiable.
 """
 
 from __future__ import annotations
@@ -156,3 +158,32 @@ def dense_attention(q, k, v, softmax_scale, causal, window_size, run_forward, le
     cu_q, cu_k, max_q, max_k = varlen
     return _DenseAttention.apply(q, k, v, learnable_sink, seqused_k, cu_q, cu_k, softmax_scale, causal, window_size,
                                  (max_q, max_k), run_forward)
+
+
+class _IndexAttention(torch.autograd.Function):
+    """o, lse = run_forward() (index mode's kernel); backward: stage F's ``index_backward``."""
+
+    @staticmethod
+    def forward(ctx, q, kv, attn_sink, indices, topk_length, softmax_scale, run_forward):
+        o, lse = run_forward()
+        ctx.save_for_backward(q, kv, attn_sink, indices, topk_length, o, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from dsv4_attention import stages
+
+        q, kv, sink, indices, length, o, lse = ctx.saved_tensors
+        dq, dkv, dsink = stages.get("f").module.index_backward(
+            q, kv, indices, o, lse, do, topk_length=length, attn_sink=sink, softmax_scale=ctx.softmax_scale)
+        return dq, dkv, dsink, None, None, None, None
+
+
+def index_attention(q, kv, attn_sink, indices, topk_length, softmax_scale, run_forward):
+    """``run_forward()`` (index mode's (o, lse) for q, kv and the sink) made differentiable in q,
+    kv (K = V: one gradient, the keys' and the values' summed, scattered to the listed rows) and
+    ``attn_sink`` by stage F's torch-composed ``index_backward``. kv must be bf16 / fp16 rows
+    [rows, 1, d] (a paged FP8 cache has no gradient): the caller checks."""
+    return _IndexAttention.apply(q, kv, attn_sink, indices, topk_length, softmax_scale, run_forward)

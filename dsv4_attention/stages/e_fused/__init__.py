@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from dsv4_attention.common import interface, jit
+from dsv4_attention.common import autograd, interface, jit
 from dsv4_attention.common.autograd import refuse_grad
 from dsv4_attention.common.validation import check_readable, check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
@@ -152,9 +152,23 @@ def index_attention(q, kv, indices, *, topk_length=None, attn_sink=None, softmax
 
     Raises:
         ValueError: before any launch, naming the argument (rank, shape, dtype, stride, index).
-        NotDifferentiableError: under grad mode, an input that requires grad.
+        NotDifferentiableError: under grad mode, an input that requires grad where no gradient
+            exists (a paged FP8 cache, ``out``). Otherwise differentiable in q, kv and attn_sink
+            (stage F's ``index_backward``, composed of torch operations: no kernel yet).
     """
-    refuse_grad("index_attention", q=q, kv=kv, attn_sink=attn_sink)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, kv, attn_sink)):
+        why = "a paged FP8 cache has no gradient" if isinstance(kv, torch.Tensor) and kv.element_size() == 1 else \
+            "out is given" if out is not None else None
+        if why is None:  # differentiable: the kernel forward, stage F's torch backward (common/autograd.py)
+            sink = None if attn_sink is None else attn_sink.detach()
+
+            def run_forward():
+                return index_attention(q.detach(), kv.detach(), indices, topk_length=topk_length, attn_sink=sink,
+                                       softmax_scale=softmax_scale, check_indices=check_indices, num_splits=num_splits)
+
+            return autograd.index_attention(q, kv, attn_sink, indices, topk_length, softmax_scale, run_forward)
+        raise autograd.NotDifferentiableError(f"index_attention cannot be differentiated here: {why}. Call it under "
+                                              f"torch.no_grad() or with detached inputs (docs/training.md)")
     kv, kv_pages, idx = index_source(q, kv, indices, topk_length, check_indices)
     return index_launch(q, kv, kv_pages, idx, attn_sink, softmax_scale, out, check_indices, num_splits)
 
