@@ -286,6 +286,44 @@ def test_varlen_op_backward_and_torch_compile(arch, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa", "window_hd512"])
+def test_v4_layer_backward(arch, mode, record_errors):
+    """DeepSeek-V4's layer trained: ``attention(q, kv, compressed_kv=, compress_ratio=, window_size=
+    (127, 0), learnable_sink=)`` at head dim 512, K = V, 64 heads, with q, kv, the entries and the sink
+    requiring grad (the kernel forward, stage F's torch-composed fused_backward), against
+    torch.autograd through the float64 reference; HCA (ratio 128, every visible entry), CSA (ratio
+    4, top-k lists with -1 padding) and the window alone at head dim 512 (no kernel backward there)."""
+    q, kv, _, g = attention_inputs(1, 400, 400, 64, 1, 512, torch.bfloat16, kv_shared=True)
+    do = random_bshd(1, 400, 64, 512, torch.bfloat16, q.device, generator=g)
+    sink = torch.randn(64, device=q.device, generator=g)
+    ratio = 128 if mode == "hca" else 4
+    ckv = (torch.randn(1, 400 // ratio, 1, 512, device=q.device, generator=g) / 4).bfloat16()
+    options = dict(compressed_kv=ckv, compress_ratio=ratio) if mode != "window_hd512" else {}
+    if mode == "csa":
+        idx = torch.randint(-1, 400 // ratio, (1, 400, 64), device=q.device, generator=g, dtype=torch.int32)
+        options["topk_indices"] = idx
+    leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
+    kw = dict(options, compressed_kv=leaves[2]) if options else {}
+    o, lse = attention(leaves[0], leaves[1], causal=True, window_size=(127, 0), learnable_sink=leaves[3], **kw)
+    assert o.grad_fn is not None and not lse.requires_grad
+    (o.float() * do.float()).sum().backward()
+    ref = [t.detach().double().requires_grad_(True) for t in (q, kv, ckv, sink)]
+    kw_ref = dict(options, compressed_kv=ref[2]) if options else {}
+    o_ref, _ = reference.fused_attention(ref[0], ref[1], causal=True, window_size=(127, 0), learnable_sink=ref[3],
+                                         **kw_ref)
+    (o_ref * do.double()).sum().backward()
+    named = [("dq", leaves[0].grad, ref[0].grad), ("dkv", leaves[1].grad, ref[1].grad)]
+    if options:
+        named.append(("dcompressed", leaves[2].grad, ref[2].grad))
+    for name, out, r in named:
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, v4_layer=mode)
+        assert e.within(2e-2, 8e-2), f"{mode} {name}: {e}"
+    ds, ds_ref = leaves[3].grad.double(), ref[3].grad
+    assert ((ds - ds_ref).norm() / ds_ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("heads", [64, 128])
 def test_index_attention_backward(arch, heads, record_errors):
     """DeepSeek-V4's sparse attention trained: index_attention (the kernel forward) with q, kv and

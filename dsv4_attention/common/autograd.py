@@ -187,3 +187,32 @@ def index_attention(q, kv, attn_sink, indices, topk_length, softmax_scale, run_f
     ``attn_sink`` by stage F's torch-composed ``index_backward``. kv must be bf16 / fp16 rows
     [rows, 1, d] (a paged FP8 cache has no gradient): the caller checks."""
     return _IndexAttention.apply(q, kv, attn_sink, indices, topk_length, softmax_scale, run_forward)
+
+
+class _ComposedAttention(torch.autograd.Function):
+    """o, lse = run_forward() (stage E's kernel); backward: stage F's torch-composed ``fused_backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, compressed_kv, learnable_sink, run_forward, options):
+        o, lse = run_forward()
+        ctx.save_for_backward(q, k, v, compressed_kv, learnable_sink, options["topk_indices"], o, lse)
+        ctx.options = {n: x for n, x in options.items() if n != "topk_indices"}
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from dsv4_attention import stages
+
+        q, k, v, ckv, sink, topk, o, lse = ctx.saved_tensors
+        dq, dk, dv, dc, dsink = stages.get("f").module.fused_backward(
+            q, k, v, o, lse, do, compressed_kv=ckv, topk_indices=topk, learnable_sink=sink, **ctx.options)
+        return dq, dk, dv, dc, dsink, None, None
+
+
+def composed_attention(q, k, v, compressed_kv, learnable_sink, run_forward, options: dict):
+    """``run_forward()`` (stage E's (o, lse)) made differentiable in q, k, v (v may be k: K = V,
+    its two gradients added by autograd), ``compressed_kv`` and ``learnable_sink`` by stage F's
+    torch-composed ``fused_backward``; ``options``: compress_ratio, topk_indices, softmax_scale,
+    causal, window_size. The caller checks that the call is within that backward's scope."""
+    return _ComposedAttention.apply(q, k, v, compressed_kv, learnable_sink, run_forward, options)

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from dsv4_attention.common import call_plan
-from dsv4_attention.common.autograd import dense_attention, refuse_grad
+from dsv4_attention.common.autograd import composed_attention, dense_attention, refuse_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +117,24 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         NotDifferentiableError: under grad mode, an input that requires grad
             (common/autograd.py).
     """
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (q, k, v, learnable_sink)) and \
+    grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                            for t in (q, k, v, learnable_sink, compressed_kv))
+    if grads and _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions,
+                           kv_start, out, lse_out, num_splits):
+        final = get(FINAL).forward
+        detached = {n: (None if t is None else t.detach()) for n, t in
+                    (("v", v), ("compressed_kv", compressed_kv), ("learnable_sink", learnable_sink))}
+
+        def run_forward():
+            return final(q.detach(), k.detach(), detached["v"], compressed_kv=detached["compressed_kv"],
+                         compress_ratio=compress_ratio, topk_indices=topk_indices, softmax_scale=softmax_scale,
+                         causal=causal, window_size=window_size, learnable_sink=detached["learnable_sink"],
+                         pack_gqa=pack_gqa, check_indices=check_indices)
+
+        return composed_attention(q, k, k if v is None else v, compressed_kv, learnable_sink, run_forward,
+                                  dict(compress_ratio=compress_ratio, topk_indices=topk_indices,
+                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size))
+    if grads and compressed_kv is None and \
             _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink,
                             positions, out, lse_out, num_splits):
         final = get(FINAL).forward
@@ -152,6 +168,21 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
         learnable_sink=learnable_sink, pack_gqa=pack_gqa, positions=positions, kv_start=kv_start,
         cu_seqlens_compressed=cu_seqlens_compressed, out=out, lse_out=lse_out, check_indices=check_indices,
         num_splits=num_splits))
+
+
+def _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions, kv_start, out,
+              lse_out, num_splits) -> bool:
+    """Whether a call that needs a gradient goes to stage F's torch-composed backward (f_backward/
+    fused.py): batched CUDA tensors that stage F's kernel does not serve (compressed entries, or a
+    head dim, dtype or architecture it lacks: DeepSeek-V4's layer at head dim 512), without the
+    options that backward does not take (seqused_k, offsets, positions, kv_start, out, splits)."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
+        return False
+    if any(x is not None for x in (seqused_k, cu_seqlens_q, cu_seqlens_k, positions, out, lse_out)) or \
+            kv_start != 0 or num_splits not in (1, None):
+        return False
+    return compressed_kv is not None or topk_indices is not None or \
+        get("f").module.serves(q, k, k if v is None else v) is not None
 
 
 def _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink, positions,

@@ -13,10 +13,11 @@ KV tile (a counter per Q tile), so every gradient is bitwise repeatable. The att
 (stage D5's ``learnable_sink``) is one more key with value 0: the kernel runs unchanged on LSE' =
 logaddexp(LSE, sink[h]) and the sink-scaled O, and the sink's gradient, - sum over rows of
 exp(sink[h] - LSE') D, is a reduction on the host. Index mode (DeepSeek-V4's sparse attention,
-``e_fused.index_attention``) has a backward composed of torch operations (index.py) until its
-kernel exists. The sm100 kernel, head dims 256 and 512 and the compressed entries of
-``attention`` are not built yet: those calls refuse gradients (common/autograd.py), never return
-a silent missing one.
+``e_fused.index_attention``) and the calls this kernel does not serve (compressed entries, other
+head dims, dtypes or architectures: DeepSeek-V4's layer) have backwards composed of torch
+operations (index.py, fused.py) until their kernels exist. Calls outside both (seqused_k,
+positions or offsets with compressed entries, ``out``, ...) refuse gradients
+(common/autograd.py), never return a silent missing one.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from dsv4_attention.common.validation import (
     check_window,
 )
 from dsv4_attention.common.varlen import padded_index, padded_total
+from dsv4_attention.stages.f_backward.fused import fused_backward
 from dsv4_attention.stages.f_backward.index import index_backward
 
-__all__ = ["backward", "flops", "index_backward", "serves"]
+__all__ = ["backward", "flops", "fused_backward", "index_backward", "serves"]
 
 ID = "f"
 NAME = "backward"

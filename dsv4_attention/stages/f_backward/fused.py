@@ -1,0 +1,138 @@
+"""The backward of stage E's attention (DeepSeek-V4's layer: a sliding window over the raw keys,
+compressed entries, the sink) composed of torch operations over chunks of queries: the gradients
+of ``attention(q, kv, compressed_kv=, compress_ratio=, topk_indices=, window_size=,
+learnable_sink=)`` wherever stage F's kernel does not serve the call (compressed entries, head
+dims other than 64 / 128: DeepSeek-V4's 512 with K = V), for training while its kernel is not
+built (issue 44, item 3).
+
+Query i of batch b sits at t = i + seqlen_k - seqlen_q (bottom-right alignment) and sees raw key j
+iff t - left <= j <= t + right, and compressed entry j iff j < floor((t + 1) / compress_ratio):
+all of them (HCA), or those its ``topk_indices`` row lists (CSA). One softmax over both and the
+sink (a key of value 0), so with LSE' = logaddexp(LSE, sink[h]) (+inf where -inf: P = 0) each
+part's P = exp(scale q k^T - LSE') is the forward's, and per part
+
+    dP = dO v^T,  dS = P (dP - D),  D = rowsum(dO * O)
+    dq += scale dS k,  dk = scale dS^T q,  dv = P^T dO        (K = V: the caller adds dk and dv)
+
+summed over a KV head's query heads; a CSA entry's gradient is scattered to the row its list
+names (``index_add_``). A chunk of queries reads only the raw keys its window reaches. fp32
+(fp64 for fp64 inputs); ``tests/test_f_fused_cpu.py`` checks it against torch.autograd through the
+float64 reference (``reference.fused_attention``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: bytes of temporaries a chunk of queries may hold
+CHUNK_BYTES = 1 << 30
+
+
+def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
+                   softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
+                   learnable_sink=None, chunk_bytes: int = CHUNK_BYTES):
+    """Gradients of ``o, lse = attention(q, kv, v, ...)`` with stage E's options above (no
+    ``seqused_k``, ``positions``, ``kv_start`` or variable-length batches).
+
+    Args:
+        q: [batch, seqlen_q, heads, d]; kv, v: [batch, seqlen_k, kv_heads, d] (v may be kv).
+        o, lse: the forward's (o sink-scaled; lse [batch, heads, seqlen_q] natural log without the
+            sink, -inf for a row with no visible key).
+        do: the loss's gradient with respect to o.
+        compressed_kv: [batch, entries, kv_heads, d] K = V entries, with ``compress_ratio``;
+            topk_indices: [batch, seqlen_q, k] int32 (-1: none) or None (every visible entry).
+        softmax_scale, causal, window_size, learnable_sink: the forward's.
+        chunk_bytes: the temporaries' budget per chunk of queries.
+
+    Returns:
+        (dq, dk, dv, dcompressed or None, dsink or None), each like its input (dsink fp32).
+    """
+    b, sq, h, d = q.shape
+    sk, hk = kv.shape[1], kv.shape[2]
+    g = h // hk
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    left, right = window_size
+    if causal:
+        right = 0
+    offset = sk - sq
+    lse_all = lse.to(acc)
+    if learnable_sink is not None:
+        lse_all = torch.logaddexp(lse_all, learnable_sink.to(acc)[None, :, None])
+    lse_p = torch.where(torch.isneginf(lse_all), math.inf, lse_all)  # [b, h, sq]
+    dsum = (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2)  # [b, h, sq]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dc = None if compressed_kv is None else torch.zeros(compressed_kv.shape, dtype=acc, device=q.device)
+    nc = 0 if compressed_kv is None else compressed_kv.shape[1]
+    reach = sk if left is None else min(sk, left + 1 + (right or 0))
+    listed = nc if topk_indices is None else topk_indices.shape[-1]
+    per_query = h * (reach + listed) * 16 + (0 if topk_indices is None else listed * hk * d * 12)
+    chunk = max(1, min(sq, chunk_bytes // max(per_query, 1) - reach))
+    for bi in range(b):
+        for i0 in range(0, sq, chunk):
+            i1 = min(sq, i0 + chunk)
+            t = torch.arange(i0, i1, device=q.device) + offset  # the queries' positions
+            qc = q[bi, i0:i1].to(acc).view(-1, hk, g, d)
+            doc = do[bi, i0:i1].to(acc).view(-1, hk, g, d)
+            lse_c = lse_p[bi, :, i0:i1].transpose(0, 1).reshape(-1, hk, g)
+            d_c = dsum[bi, :, i0:i1].transpose(0, 1).reshape(-1, hk, g)
+            dq_c = dq[bi, i0:i1].view(-1, hk, g, d)
+
+            rows_c = (qc, doc, lse_c, d_c, dq_c)
+            lo = 0 if left is None else max(0, int(t[0]) - left)
+            hi = sk if right is None else min(sk, int(t[-1]) + right + 1)
+            if lo < hi:
+                j = torch.arange(lo, hi, device=q.device)[None]
+                ok = torch.ones((i1 - i0, hi - lo), dtype=torch.bool, device=q.device)
+                if left is not None:
+                    ok &= j >= t[:, None] - left
+                if right is not None:
+                    ok &= j <= t[:, None] + right
+                keys, values = kv[bi, lo:hi].to(acc), v[bi, lo:hi].to(acc)
+                p, ds = _part(rows_c, keys, values, ok, scale)
+                dk[bi, lo:hi] += torch.einsum("ckgn,ckgd->nkd", ds, qc) * scale
+                dv[bi, lo:hi] += torch.einsum("ckgn,ckgd->nkd", p, doc)
+            if compressed_kv is None:
+                continue
+            count = torch.clamp(t + 1, min=0) // compress_ratio  # entries visible to each query
+            if topk_indices is None:
+                n = min(nc, int(count[-1]))
+                if n == 0:
+                    continue
+                ok = torch.arange(n, device=q.device)[None] < count[:, None]
+                entries = compressed_kv[bi, :n].to(acc)
+                p, ds = _part(rows_c, entries, entries, ok, scale)
+                dc[bi, :n] += torch.einsum("ckgn,ckgd->nkd", ds, qc) * scale + torch.einsum("ckgn,ckgd->nkd", p, doc)
+            else:
+                idx = topk_indices[bi, i0:i1].long()  # [c, k]
+                ok = (idx >= 0) & (idx < torch.clamp(count, max=nc)[:, None])
+                rows = idx.clamp(min=0, max=max(nc - 1, 0))
+                if nc == 0:
+                    continue
+                entries = compressed_kv[bi][rows].to(acc)  # [c, k, hk, d]
+                p, ds = _part(rows_c, entries, entries, ok, scale)
+                grads = torch.einsum("ckgn,ckgd->cnkd", ds, qc) * scale + torch.einsum("ckgn,ckgd->cnkd", p, doc)
+                dc[bi].index_add_(0, rows[ok], grads[ok])
+    dsink = None
+    if learnable_sink is not None:
+        p_sink = torch.exp(learnable_sink.to(acc)[None, :, None] - lse_all).nan_to_num(0.0)
+        dsink = -(p_sink * dsum).sum((0, 2)).to(torch.float32)
+    return (dq.to(q.dtype), dk.to(kv.dtype), dv.to(v.dtype), None if dc is None else dc.to(compressed_kv.dtype),
+            dsink)
+
+
+def _part(rows, keys, values, ok, scale):
+    """One part of a chunk's keys (the window's raw keys [n, hk, d] shared by the chunk, or each
+    query's listed entries [c, n, hk, d]): P and dS ([c, hk, g, n]), dq += scale dS k into the
+    chunk's dq rows. ``rows`` = (q, dO, LSE', D, dq) of the chunk, [c, hk, g, (d)]."""
+    qc, doc, lse_c, d_c, dq_c = rows
+    shared = keys.dim() == 3
+    eq = "ckgd,nkd->ckgn" if shared else "ckgd,cnkd->ckgn"
+    p = torch.exp(torch.einsum(eq, qc, keys) * scale - lse_c[..., None]).masked_fill(~ok[:, None, None, :], 0.0)
+    ds = p * (torch.einsum(eq, doc, values) - d_c[..., None])
+    dq_c.add_(torch.einsum("ckgn,nkd->ckgd" if shared else "ckgn,cnkd->ckgd", ds, keys), alpha=scale)
+    return p, ds

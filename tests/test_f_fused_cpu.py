@@ -1,0 +1,80 @@
+"""The torch-composed backward of stage E's attention (stages/f_backward/fused.py) on the CPU: the
+gradients of DeepSeek-V4's layer (a window over the raw keys, compressed entries: all visible
+ones or each token's top-k list, the sink) against torch.autograd through the float64 reference
+(``reference.fused_attention``): GQA, K = V and separate V, causal, windows with left and right
+bounds, more queries than keys (rows with no raw key), a -inf sink (gradient 0; autograd: NaN)
+and a dominant one, a top-k entry listed twice, chunks of one query and of all. Negative
+control: the backward told another compress_ratio (other entries visible) fails the check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4_attention.common import reference
+from dsv4_attention.stages.f_backward import fused
+
+
+def failures(seed: int, mode, kv_shared: bool, chunk_bytes: int, sq: int = 11, wrong_ratio: bool = False,
+             **mask) -> list:
+    g = torch.Generator().manual_seed(seed)
+    b, sk, h, d, nc = 2, 17, 4, 8, 5
+    hk = 1 if mode == "csa" else 2  # the reference's top-k gather reads kv head 0 (DeepSeek-V4: one)
+    q = torch.randn(b, sq, h, d, dtype=torch.float64, generator=g, requires_grad=True)
+    kv = torch.randn(b, sk, hk, d, dtype=torch.float64, generator=g, requires_grad=True)
+    v = kv if kv_shared else torch.randn(b, sk, hk, d, dtype=torch.float64, generator=g, requires_grad=True)
+    ckv = torch.randn(b, nc, hk, d, dtype=torch.float64, generator=g, requires_grad=True)
+    sink = torch.tensor([0.5, -math.inf, 3.0, -1.0], dtype=torch.float64, requires_grad=True)
+    topk = None
+    if mode == "csa":
+        topk = torch.randint(-1, nc, (b, sq, 3), generator=g, dtype=torch.int32)
+        topk[0, 5, 1] = topk[0, 5, 0]  # one entry listed twice: both count
+    entries = dict(compressed_kv=ckv, compress_ratio=4, topk_indices=topk) if mode else {}
+    o, lse = reference.fused_attention(q, kv, None if kv_shared else v, softmax_scale=0.3, learnable_sink=sink,
+                                       **entries, **mask)
+    do = torch.randn(b, sq, h, d, dtype=torch.float64, generator=g)
+    (o * do).sum().backward()
+    given = {n: (x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x) for n, x in entries.items()}
+    if wrong_ratio:  # the negative control: the entries' visibility of another ratio
+        given["compress_ratio"] = 5
+    dq, dk, dv, dc, ds = fused.fused_backward(q.detach(), kv.detach(), v.detach(), o.detach(), lse.detach(), do,
+                                              softmax_scale=0.3, learnable_sink=sink.detach(),
+                                              chunk_bytes=chunk_bytes, **given, **mask)
+    bad = []
+    checks = [("dq", dq, q.grad), ("dkv", dk + dv if kv_shared else dk, kv.grad)]
+    if not kv_shared:
+        checks.append(("dv", dv, v.grad))
+    if mode:
+        checks.append(("dcompressed", dc, ckv.grad))
+    for name, ours, ref in checks:
+        if not torch.allclose(ours, ref, rtol=1e-9, atol=1e-12):
+            bad.append((name, (ours - ref).abs().max().item()))
+    finite = torch.isfinite(sink.detach())
+    if not torch.allclose(ds.double()[finite], sink.grad[finite], rtol=1e-6) or ds[~finite].any():
+        bad.append(("dsink", ds.tolist(), sink.grad.tolist()))
+    return bad
+
+
+MASKS = [dict(), dict(causal=True), dict(window_size=(3, 0)), dict(window_size=(2, 1))]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["full", "causal", "window_3_0", "window_2_1"])
+@pytest.mark.parametrize("mode", [None, "hca", "csa"], ids=["window_only", "hca", "csa"])
+@pytest.mark.parametrize("kv_shared", [True, False], ids=["k_eq_v", "separate_v"])
+def test_fused_backward_is_autograds(mode, kv_shared, mask):
+    for chunk_bytes in (1, 1 << 30):
+        bad = failures(1, mode, kv_shared, chunk_bytes, **mask)
+        assert not bad, (chunk_bytes, bad)
+
+
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+def test_rows_with_no_raw_key(mode):
+    """More queries than keys under causal: the first rows see no raw key (only entries, or nothing)."""
+    bad = failures(3, mode, True, 1 << 30, sq=23, causal=True)
+    assert not bad, bad
+
+
+def test_checker_rejects_another_ratios_visibility():
+    assert failures(1, "hca", True, 1 << 30, wrong_ratio=True, causal=True)
