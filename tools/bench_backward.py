@@ -7,6 +7,14 @@ its preprocess, kernel and postprocess), given the forward's O and LSE; median o
 over rotated input sets. FLOPs: 2.5x the forward's over the visible pairs (FlashAttention's count).
 Two rows in deterministic mode (``deterministic=True`` for both libraries: dQ summed in a fixed
 order), hd 128 causal at 4k and 16k: what bitwise repeatability costs.
+
+DeepSeek-V4's backwards, composed of torch operations until their kernels exist (stages/f_backward/
+index.py, fused.py): index mode (V4-Flash: 64 heads, top-640; V4-Pro: 128 heads, top-1152; d 512,
+4k-8k tokens) against cuDNN-frontend's CuTe DSL sparse backward (``sparse_attention_backward_wrapper``,
+the device pack's peer; FLOPs as its benchmark counts them: 2 T H K (3 x 512 + 2 x 512)), and the
+HCA layer (window 128, every visible entry at ratio 128, the sink; 64 heads, d 512) alone (no peer
+computes it): what the missing kernels cost (ours timed over 5 calls after one warm-up: they are
+slow).
 """
 
 from __future__ import annotations
@@ -69,4 +77,69 @@ def bench_stage_f(dev) -> list:
                 rows.append(backward_row(dev, max(1, 16384 // s), h, s, d, causal))
     for s in (4096, 16384):
         rows.append(backward_row(dev, 16384 // s, 16, s, 128, True, deterministic=True))
+    for tokens in (4096, 8192):
+        rows.append(index_backward_row(dev, tokens, 64, 640))
+        rows.append(index_backward_row(dev, tokens, 128, 1152))
+        rows.append(hca_backward_row(dev, tokens))
     return rows
+
+
+def index_backward_row(dev, tokens, heads, topk) -> dict:
+    """Index mode's backward (ours: the torch-composed index_backward) against cuDNN's sparse
+    backward on the same q, kv, lists, O and LSE (timing only: the two take the forward's LSE in
+    their own conventions)."""
+    from dsv4_attention.stages import e_fused
+    from dsv4_attention.stages import f_backward as stage
+
+    g = torch.Generator(device=dev).manual_seed(tokens + heads)
+    q = (torch.randn(tokens, heads, 512, device=dev, generator=g) / 4).bfloat16()
+    kv = (torch.randn(tokens, 1, 512, device=dev, generator=g) / 4).bfloat16()
+    idx = torch.randint(0, tokens, (tokens, 1, topk), device=dev, generator=g, dtype=torch.int32)
+    sink = torch.randn(heads, device=dev, generator=g)
+    do = torch.randn(tokens, heads, 512, device=dev, generator=g).bfloat16()
+    with torch.no_grad():
+        o, lse = e_fused.index_attention(q, kv, idx, attn_sink=sink)
+    ms = bench.time_ms([lambda: stage.index_backward(q, kv, idx, o, lse, do, attn_sink=sink)], warmup=1, iters=5)
+    flop = 2 * tokens * heads * topk * (3 * 512 + 2 * 512)
+    tf, peer_ms = {}, {}
+    try:
+        import cudnn.deepseek_sparse_attention as dsa  # pyright: ignore[reportMissingImports] (GPU peer)
+
+        rows = idx[:, 0].contiguous()
+        t = bench.time_ms([lambda: dsa.sparse_attention_backward_wrapper(q, kv[:, 0], o, do, lse.contiguous(), sink,
+                                                                         rows)])
+        tf["cudnn_dsa"], peer_ms["cudnn_dsa"] = round(bench.tflops(flop, t), 1), round(t, 4)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+        print(f"peer cudnn_dsa failed: {type(e).__name__}: {e}"[:300], flush=True)
+    return _v4_row(f"bwd index torch-composed tokens{tokens} h{heads} topk{topk} hd512 bf16", ms, flop, tf, peer_ms)
+
+
+def hca_backward_row(dev, tokens, heads=64) -> dict:
+    """DeepSeek-V4's HCA layer's backward (ours: the torch-composed fused_backward): window 128,
+    every visible entry at ratio 128, the sink; no peer computes it."""
+    from dsv4_attention.stages import e_fused
+    from dsv4_attention.stages import f_backward as stage
+
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    q = (torch.randn(1, tokens, heads, 512, device=dev, generator=g) / 4).bfloat16()
+    kv = (torch.randn(1, tokens, 1, 512, device=dev, generator=g) / 4).bfloat16()
+    ckv = (torch.randn(1, tokens // 128, 1, 512, device=dev, generator=g) / 4).bfloat16()
+    sink = torch.randn(heads, device=dev, generator=g)
+    do = torch.randn(1, tokens, heads, 512, device=dev, generator=g).bfloat16()
+    opts = dict(compressed_kv=ckv, compress_ratio=128, causal=True, window_size=(127, 0), learnable_sink=sink)
+    with torch.no_grad():
+        o, lse = e_fused.forward(q, kv, **opts)
+    ms = bench.time_ms([lambda: stage.fused_backward(q, kv, kv, o, lse, do, **opts)], warmup=1, iters=5)
+    t = torch.arange(tokens, dtype=torch.float64)
+    pairs = float((torch.clamp(t + 1, max=128) + torch.floor((t + 1) / 128)).sum())
+    flop = int(10 * heads * 512 * pairs)
+    return _v4_row(f"bwd v4 hca torch-composed tokens{tokens} h{heads} hd512 window128 ratio128 bf16", ms, flop, {},
+                   {})
+
+
+def _v4_row(case, ms, flop, tf, peer_ms) -> dict:
+    row = {"stage": "f", "case": case, "head_dim": 512, "ours_ms": round(ms, 4),
+           "ours_tflops": round(bench.tflops(flop, ms), 1), "peers": tf, "peer_ms": peer_ms,
+           "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()}}
+    print(f"stage f {case}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {tf}", flush=True)
+    return row
