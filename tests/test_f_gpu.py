@@ -324,6 +324,59 @@ def test_v4_layer_backward(arch, mode, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+def test_v4_ops_backward_and_torch_compile(arch, record_errors):
+    """The ops on DeepSeek-V4's calls: the e_fused op with compressed entries (HCA) and the index op,
+    q, kv, the entries and the sink requiring grad; loss.backward() through f_fused_backward /
+    f_index_backward equals the float64 reference's gradients, and torch.compile(fullgraph=True) of
+    the same steps gives the eager gradients."""
+    import dsv4_attention.stages.ops  # noqa: F401  (registers the ops)
+
+    q, kv, _, g = attention_inputs(1, 300, 300, 64, 1, 512, torch.bfloat16, kv_shared=True)
+    do = random_bshd(1, 300, 64, 512, torch.bfloat16, q.device, generator=g)
+    ckv = (torch.randn(1, 300 // 128, 1, 512, device=q.device, generator=g) / 4).bfloat16()
+    sink = torch.randn(64, device=q.device, generator=g)
+
+    def layer(q, kv, ckv, sink):
+        o, _ = torch.ops.dsv4_attention.e_fused(q, kv, kv, causal=True, window_left=127, window_right=0,
+                                                learnable_sink=sink, compressed_kv=ckv, compress_ratio=128)
+        return (o.float() * do.float()).sum()
+
+    idx = torch.randint(-1, 300, (300, 1, 128), device=q.device, generator=g, dtype=torch.int32)
+
+    def index(q, kv, ckv, sink):
+        del ckv
+        o, _ = torch.ops.dsv4_attention.e_index_attention(q[0], kv[0], idx, None, sink)
+        return (o.float() * do[0].float()).sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    for name, step in (("layer", layer), ("index", index)):
+        eager = grads(step)
+        ref = [t.detach().double().requires_grad_(True) for t in (q, kv, ckv, sink)]
+        if name == "layer":
+            o_ref, _ = reference.fused_attention(ref[0], ref[1], causal=True, window_size=(127, 0),
+                                                 learnable_sink=ref[3], compressed_kv=ref[2], compress_ratio=128)
+        else:
+            o_ref = reference.dsv4_index_attention(ref[0][0], ref[1][0, :, 0], idx[:, 0],
+                                                   torch.full((300,), 128, device=q.device), ref[3])[0][None]
+        (o_ref * do.double()).sum().backward()
+        for i, what in enumerate(("dq", "dkv", "dcompressed")):
+            if eager[i] is None and name == "index" and what == "dcompressed":
+                continue
+            e = errors(eager[i], ref[i].grad, row_floor=ROW_FLOOR)
+            record_errors(e, grad=what, op=name)
+            assert e.within(2e-2, 8e-2), f"{name} {what}: {e}"
+        compiled = grads(torch.compile(step, fullgraph=True))
+        for a, b in zip(eager, compiled, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert errors(b, a.double()).rel_fro <= 1e-3, name
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("heads", [64, 128])
 def test_index_attention_backward(arch, heads, record_errors):
     """DeepSeek-V4's sparse attention trained: index_attention (the kernel forward) with q, kv and

@@ -167,15 +167,25 @@ def test_op_gradient_plumbing_on_meta_varlen(stage_id, monkeypatch):
     assert not any(isinstance(a, torch.Tensor) and a.dtype == torch.int32 for a in plain)
 
 
-def test_qk_and_index_ops_refuse_grad():
+def test_qk_op_refuses_and_index_op_differentiates():
+    """Stage A's op has no backward; the index op's runs the f_index_backward op (on meta tensors
+    its fake): q, kv and the sink get gradients of their shapes; a paged FP8 cache refuses."""
     q, k = meta(2, 10, 8, 64), meta(2, 30, 8, 64)
     q.requires_grad_(True)
     with pytest.raises(NotDifferentiableError, match="op dsv4_attention::a_qk_gemm .* q requires grad"):
         ops.OPS["a"](q, k)
-    q, kv, idx = meta(3, 64, 512), meta(10, 1, 512), meta(3, 1, 4, dtype=torch.int32)
+    q, kv, idx = meta(3, 64, 512).requires_grad_(True), meta(10, 1, 512).requires_grad_(True), \
+        meta(3, 1, 4, dtype=torch.int32)
     sink = meta(64, dtype=torch.float32).requires_grad_(True)
-    with pytest.raises(NotDifferentiableError, match="e_index_attention .* attn_sink requires grad"):
-        ops.OPS["e_index"](q, kv, idx, None, sink)
+    o, lse = ops.OPS["e_index"](q, kv, idx, None, sink)
+    assert o.grad_fn is not None and not lse.requires_grad
+    with _OpLog() as log:
+        o.float().sum().backward()
+    assert any("f_index_backward" in c[0] for c in log.calls)
+    assert q.grad.shape == q.shape and kv.grad.shape == kv.shape and sink.grad.shape == (64,)
+    pages = meta(2, 64, 1, 584, dtype=torch.uint8)
+    with pytest.raises(NotDifferentiableError, match="a paged FP8 cache has no gradient"):
+        ops.OPS["e_index"](meta(3, 64, 512).requires_grad_(True), pages, idx)
 
 
 def test_torch_merge_and_sink_carry_the_gradient():

@@ -77,26 +77,48 @@ def refuse_op_grad(op, what: str) -> None:
 _OP_UNCOVERED = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions", "cu_seqlens_compressed")
 
 
-def register_attention_op_grad(op, what: str, backward_op) -> None:
+#: options stage F's torch-composed backward (fused_backward) does not take
+_COMPOSED_UNCOVERED = ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "kv_start", "positions", "cu_seqlens_compressed")
+
+
+def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> None:
     """Register on the attention op ``op`` (stages/ops.py's shared schema) the autograd rule of
     dense attention: where stage F serves the call (no option of ``_OP_UNCOVERED``, one split,
     ``serves(q, k, v)``), save q, k, v, O, LSE, the sink, seqused_k and a variable-length batch's
     offsets and run ``backward_op`` (q, k, v, o, lse, do, softmax_scale, causal, window_left,
     window_right, learnable_sink, seqused_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) -> (dq, dk, dv, dsink) in
-    backward; elsewhere raise :class:`NotDifferentiableError` naming the input that requires grad.
-    LSE is marked non-differentiable, as in :func:`dense_attention`."""
+    backward; where it does not (compressed entries, or a head dim, dtype or architecture its kernel
+    lacks) but stage F's torch-composed backward does, ``composed_op`` (q, k, v, o, lse, do,
+    compressed_kv, compress_ratio, topk_indices, softmax_scale, causal, window_left, window_right,
+    learnable_sink) -> (dq, dk, dv, dcompressed, dsink); elsewhere raise
+    :class:`NotDifferentiableError` naming the input that requires grad. LSE is marked
+    non-differentiable, as in :func:`dense_attention`."""
     names = [a.name for a in op._opoverload._schema.arguments]
 
     def setup_context(ctx, inputs, output):
         args = dict(zip(names, inputs, strict=False))
         grad_names = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-        uncovered = [n for n in _OP_UNCOVERED if args.get(n) is not None]
-        if uncovered or args.get("num_splits") not in (1, None) or set(grad_names) - {"q", "k", "v", "learnable_sink"}:
-            raise NotDifferentiableError(_message(what, grad_names[0] if grad_names else "an input"))
         from dsv4_attention import stages
 
         why = stages.get("f").module.serves(args["q"], args["k"], args["v"])
+        entries = args.get("compressed_kv") is not None or args.get("topk_indices") is not None
+        if composed_op is not None and (entries or why is not None) and args["q"].is_cuda and \
+                args["q"].dim() == 4 and args.get("num_splits") in (1, None) and \
+                not any(args.get(n) not in (None, 0) for n in _COMPOSED_UNCOVERED):
+            # stage F's torch-composed backward: compressed entries, or what its kernel lacks
+            o, lse = output
+            ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("compressed_kv"),
+                                  args.get("topk_indices"), args.get("learnable_sink"))
+            ctx.options = (args.get("compress_ratio"), args.get("softmax_scale"), bool(args.get("causal")),
+                           args.get("window_left"), args.get("window_right"))
+            ctx.composed = True
+            ctx.mark_non_differentiable(lse)
+            return
+        ctx.composed = False
+        uncovered = [n for n in _OP_UNCOVERED if args.get(n) is not None]
+        if uncovered or args.get("num_splits") not in (1, None) or set(grad_names) - {"q", "k", "v", "learnable_sink"}:
+            raise NotDifferentiableError(_message(what, grad_names[0] if grad_names else "an input"))
         if why is not None:
             raise NotDifferentiableError(f"{what} cannot be differentiated here: {why}. Call it under torch.no_grad() "
                                          f"or with detached inputs (docs/training.md)")
@@ -109,6 +131,14 @@ def register_attention_op_grad(op, what: str, backward_op) -> None:
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, do, _dlse):
+        if ctx.composed:
+            q, k, v, o, lse, ckv, topk, sink = ctx.saved_tensors
+            ratio, scale, causal, left, right = ctx.options
+            dq, dk, dv, dc, dsink = composed_op(q, k, v, o, lse, do.contiguous(), ckv, ratio, topk, scale, causal,
+                                                left, right, sink)
+            grads = dict(q=dq, k=dk, v=dv, compressed_kv=dc if ckv is not None else None,
+                         learnable_sink=dsink if sink is not None else None)
+            return tuple(grads.get(n) for n in names)
         q, k, v, o, lse, sink, used, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv, dsink = backward_op(q, k, v, o, lse, do.contiguous(), *ctx.options, sink, used, cu_q, cu_k,
                                         *ctx.max_seqlens)
@@ -216,3 +246,30 @@ def composed_attention(q, k, v, compressed_kv, learnable_sink, run_forward, opti
     torch-composed ``fused_backward``; ``options``: compress_ratio, topk_indices, softmax_scale,
     causal, window_size. The caller checks that the call is within that backward's scope."""
     return _ComposedAttention.apply(q, k, v, compressed_kv, learnable_sink, run_forward, options)
+
+
+def register_index_op_grad(op, what: str, backward_op) -> None:
+    """Register on the index-mode op ``op`` (q, kv, indices, topk_length, attn_sink, softmax_scale,
+    ...) the autograd rule of :func:`index_attention`: save q, kv, the lists, the sink, O and LSE,
+    and run ``backward_op`` (q, kv, indices, o, lse, do, topk_length, attn_sink, softmax_scale) ->
+    (dq, dkv, dsink) in backward; a paged FP8 cache (no gradient) raises
+    :class:`NotDifferentiableError`."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+
+    def setup_context(ctx, inputs, output):
+        args = dict(zip(names, inputs, strict=False))
+        if args["kv"].element_size() == 1:
+            raise NotDifferentiableError(f"{what} cannot be differentiated here: a paged FP8 cache has no gradient")
+        o, lse = output
+        ctx.save_for_backward(args["q"], args["kv"], args["indices"], args.get("topk_length"),
+                              args.get("attn_sink"), o, lse)
+        ctx.softmax_scale = args.get("softmax_scale")
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, do, _dlse):
+        q, kv, indices, length, sink, o, lse = ctx.saved_tensors
+        dq, dkv, dsink = backward_op(q, kv, indices, o, lse, do.contiguous(), length, sink, ctx.softmax_scale)
+        grads = dict(q=dq, kv=dkv, attn_sink=dsink if sink is not None else None)
+        return tuple(grads.get(n) for n in names)
+
+    op.register_autograd(backward, setup_context=setup_context)

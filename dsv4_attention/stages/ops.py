@@ -33,8 +33,11 @@ the op
         -> (dq, dk, dv, dsink)          (dsink [heads] fp32; empty without a sink)
 
 which has a fake implementation, so ``torch.compile(fullgraph=True)`` traces forward and
-backward. Any other call with an input that requires grad under grad mode raises
-``NotDifferentiableError`` from the op's autograd rule, as do stage A's op and the index op.
+backward. Calls with compressed entries, or that stage F's kernel does not serve (another head
+dim, dtype or architecture), take stage F's torch-composed backward through the op
+``dsv4_attention::f_fused_backward``; the index op's backward is ``f_index_backward`` (both with
+fake implementations). Any other call with an input that requires grad under grad mode raises
+``NotDifferentiableError`` from the op's autograd rule, as does stage A's op.
 """
 
 import inspect
@@ -42,7 +45,7 @@ import inspect
 import torch
 
 from dsv4_attention import stages
-from dsv4_attention.common.autograd import refuse_op_grad, register_attention_op_grad
+from dsv4_attention.common.autograd import refuse_op_grad, register_attention_op_grad, register_index_op_grad
 
 NAMESPACE = "dsv4_attention"
 OPS: dict = {}
@@ -111,6 +114,51 @@ def _(q, k, v, o, lse, do, softmax_scale=None, causal=False, window_left=None, w
             torch.empty_like(v, memory_format=torch.contiguous_format), dsink)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::f_fused_backward", mutates_args=(), device_types="cuda")
+def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor, compressed_kv: torch.Tensor | None = None, compress_ratio: int | None = None,
+                   topk_indices: torch.Tensor | None = None, softmax_scale: float | None = None, causal: bool = False,
+                   window_left: int | None = None, window_right: int | None = None,
+                   learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor]:
+    """Stage F's torch-composed backward of stage E's attention as an op: (dq, dk, dv, dcompressed,
+    dsink); dcompressed and dsink are empty ([0]) without entries, without a sink."""
+    dq, dk, dv, dc, dsink = stages.get("f").module.fused_backward(
+        q, k, v, o, lse, do, compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        learnable_sink=learnable_sink)
+    empty = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, empty if dc is None else dc, empty if dsink is None else dsink
+
+
+@fused_backward.register_fake
+def _(q, k, v, o, lse, do, compressed_kv=None, compress_ratio=None, topk_indices=None, softmax_scale=None,
+      causal=False, window_left=None, window_right=None, learnable_sink=None):
+    empty = q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            empty if compressed_kv is None else torch.empty_like(compressed_kv, memory_format=torch.contiguous_format),
+            empty if learnable_sink is None else q.new_empty(tuple(learnable_sink.shape), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::f_index_backward", mutates_args=(), device_types="cuda")
+def index_backward(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor, topk_length: torch.Tensor | None = None, attn_sink: torch.Tensor | None = None,
+                   softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index mode's torch-composed backward as an op: (dq, dkv, dsink); dsink empty without a sink."""
+    dq, dkv, dsink = stages.get("f").module.index_backward(q, kv, indices, o, lse, do, topk_length=topk_length,
+                                                           attn_sink=attn_sink, softmax_scale=softmax_scale)
+    return dq, dkv, q.new_empty((0,), dtype=torch.float32) if dsink is None else dsink
+
+
+@index_backward.register_fake
+def _(q, kv, indices, o, lse, do, topk_length=None, attn_sink=None, softmax_scale=None):
+    dsink = q.new_empty((0,) if attn_sink is None else tuple(attn_sink.shape), dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(kv, memory_format=torch.contiguous_format), dsink)
+
+
 def _register_attention(stage):
     name = f"{NAMESPACE}::{stage.id}_{stage.name}"
 
@@ -143,7 +191,7 @@ def _register_attention(stage):
         b, sq, h, _ = q.shape
         return o, q.new_empty((b, h, sq), dtype=torch.float32)
 
-    register_attention_op_grad(op, f"op {name}", attention_backward)
+    register_attention_op_grad(op, f"op {name}", attention_backward, fused_backward)
     return op
 
 
@@ -183,5 +231,5 @@ def _(q, kv, indices, topk_length=None, attn_sink=None, softmax_scale=None, chec
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-refuse_op_grad(index_attention, f"op {NAMESPACE}::e_index_attention")
+register_index_op_grad(index_attention, f"op {NAMESPACE}::e_index_attention", index_backward)
 OPS["e_index"] = index_attention
