@@ -71,7 +71,10 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
     reach = sk if left is None else min(sk, left + 1 + (right or 0))
     listed = nc if topk_indices is None else topk_indices.shape[-1]
     per_query = h * (reach + listed) * 16 + (0 if topk_indices is None else listed * hk * d * 12)
-    chunk = max(1, min(sq, chunk_bytes // max(per_query, 1) - reach))
+    chunk = max(1, min(sq, chunk_bytes // max(per_query, 1)))
+    if left is not None:  # a chunk's band of raw keys is its window plus its own length
+        while chunk > 1 and chunk * (per_query + h * chunk * 16) > chunk_bytes:
+            chunk //= 2
     for bi in range(b):
         for i0 in range(0, sq, chunk):
             i1 = min(sq, i0 + chunk)
