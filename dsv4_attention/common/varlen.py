@@ -16,7 +16,6 @@ before ``padded_total(total, batch, tile)``. (FlashAttention-3's padded offsets.
 
 from __future__ import annotations
 
-import cutlass.cute as cute
 import torch
 
 
@@ -30,9 +29,13 @@ def padded_total(total: int, batch: int, tile: int) -> int:
     return (total // tile + batch + 1) * tile
 
 
-def batch_rows(t: cute.Tensor, batch, start=None) -> cute.Tensor:
-    """Kernel side: ``t``'s batch ``batch`` (its last mode; rows its first), offset to start at row
-    ``start`` when given (a variable-length batch's packed or padded tensor)."""
+def batch_rows(t, batch, start=None):
+    """Kernel side: the cute tensor ``t``'s batch ``batch`` (its last mode; rows its first), offset
+    to start at row ``start`` when given (a variable-length batch's packed or padded tensor). The DSL
+    is imported here, not with the module: the host path (``padded_index``) serves a process that
+    loads cached kernels without it (tests/test_warmup.py)."""
+    import cutlass.cute as cute
+
     view = t[(None,) * (cute.rank(t) - 1) + (batch,)]
     if start is not None:
         view = cute.domain_offset((start,) + (0,) * (cute.rank(view) - 1), view)
