@@ -72,8 +72,10 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     DeepSeek-V4: ``attention(q, kv, compressed_kv=ckv, compress_ratio=128, window_size=(127, 0),
     learnable_sink=sink)`` attends, in one softmax, to the window and to the compressed entries
     j < floor((t' + 1) / ratio) (its HCA layers), or only those ``topk_indices`` lists per token
-    (its CSA layers). Differentiable in q, k, v where stage F serves the call (dense: scale, causal,
-    window; head dims 64 and 128 on sm90; docs/training.md); elsewhere refused under grad mode.
+    (its CSA layers). Differentiable in q, k, v, the entries and the sink (docs/training.md): by
+    stage F's kernel where it serves the call (dense: scale, causal, window, seqused_k, offsets;
+    head dims 64 and 128 on sm90), by its torch-composed backward for other batched calls on a GPU
+    (compressed entries, head dim 512); elsewhere refused under grad mode.
 
     Args:
         q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head dims 64-512; [total_q, heads,
