@@ -81,6 +81,21 @@ _OP_UNCOVERED = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", 
 _COMPOSED_UNCOVERED = ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "kv_start", "positions", "cu_seqlens_compressed")
 
 
+def composed_covers(q, kernel_why, entries: bool, options: dict) -> bool:
+    """Whether stage F's torch-composed backward (f_backward/fused.py) takes a call that needs a
+    gradient: batched CUDA tensors with compressed entries (``entries``) or that its kernel does not
+    serve (``kernel_why``: ``serves``' reason, None if it does), and none of the options it does
+    not take (``options``: the call's named arguments; seqused_k, offsets, positions, kv_start,
+    out, lse_out, splits). The one rule for ``attention`` and the attention ops."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
+        return False
+    if options.get("num_splits") not in (1, None):
+        return False
+    if any(options.get(n) not in (None, 0) for n in _COMPOSED_UNCOVERED + ("out", "lse_out")):
+        return False
+    return entries or kernel_why is not None
+
+
 def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> None:
     """Register on the attention op ``op`` (stages/ops.py's shared schema) the autograd rule of
     dense attention: where stage F serves the call (no option of ``_OP_UNCOVERED``, one split,
@@ -103,9 +118,7 @@ def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> 
 
         why = stages.get("f").module.serves(args["q"], args["k"], args["v"])
         entries = args.get("compressed_kv") is not None or args.get("topk_indices") is not None
-        if composed_op is not None and (entries or why is not None) and args["q"].is_cuda and \
-                args["q"].dim() == 4 and args.get("num_splits") in (1, None) and \
-                not any(args.get(n) not in (None, 0) for n in _COMPOSED_UNCOVERED):
+        if composed_op is not None and composed_covers(args["q"], why, entries, args):
             # stage F's torch-composed backward: compressed entries, or what its kernel lacks
             o, lse = output
             ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("compressed_kv"),

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from dsv4_attention.common import call_plan
-from dsv4_attention.common.autograd import composed_attention, dense_attention, refuse_grad
+from dsv4_attention.common.autograd import composed_attention, composed_covers, dense_attention, refuse_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,17 +174,15 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
 
 def _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions, kv_start, out,
               lse_out, num_splits) -> bool:
-    """Whether a call that needs a gradient goes to stage F's torch-composed backward (f_backward/
-    fused.py): batched CUDA tensors that stage F's kernel does not serve (compressed entries, or a
-    head dim, dtype or architecture it lacks: DeepSeek-V4's layer at head dim 512), without the
-    options that backward does not take (seqused_k, offsets, positions, kv_start, out, splits)."""
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
-        return False
-    if any(x is not None for x in (seqused_k, cu_seqlens_q, cu_seqlens_k, positions, out, lse_out)) or \
-            kv_start != 0 or num_splits not in (1, None):
-        return False
-    return compressed_kv is not None or topk_indices is not None or \
-        get("f").module.serves(q, k, k if v is None else v) is not None
+    """Whether a call that needs a gradient goes to stage F's torch-composed backward
+    (common/autograd.composed_covers: compressed entries, or what stage F's kernel lacks)."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda):
+        return False  # (serves() below is for CUDA tensors)
+    entries = compressed_kv is not None or topk_indices is not None
+    why = None if entries else get("f").module.serves(q, k, k if v is None else v)
+    return composed_covers(q, why, entries, dict(
+        seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, positions=positions,
+        kv_start=kv_start, out=out, lse_out=lse_out, num_splits=num_splits))
 
 
 def _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink, positions,

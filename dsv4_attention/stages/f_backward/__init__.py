@@ -40,6 +40,7 @@ from dsv4_attention.common.validation import (
     check_window,
 )
 from dsv4_attention.common.varlen import padded_index, padded_total
+from dsv4_attention.stages.f_backward import sink as sink_terms
 from dsv4_attention.stages.f_backward.fused import fused_backward
 from dsv4_attention.stages.f_backward.index import index_backward
 
@@ -144,7 +145,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         check_seqused_k(seqused_k, b, k.shape[1], q.device)
     if learnable_sink is not None:
         check_sink(learnable_sink, h, q.device)
-        lse = torch.logaddexp(lse, learnable_sink[None, :, None])  # the sink joins the normalizer
+        lse = sink_terms.normalizer(lse, learnable_sink, 1)  # the sink joins the normalizer
     for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
         if t is not None:
             check_out(name, t, k.shape[1:] if varlen else k.shape, k.dtype, k.device)
@@ -186,9 +187,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         dk, dv = _unpad(dk[0], k_rows, dk_out), _unpad(dv[0], k_rows, dv_out)
     if learnable_sink is None:
         return dq, dk, dv
-    # the sink's probability per row (0 where LSE' = -inf: neither a key nor a finite sink)
-    p_sink = torch.exp(learnable_sink[None, :, None] - lse).nan_to_num(0.0)
-    return dq, dk, dv, -(p_sink * dsum_rows).sum((0, 2))
+    return dq, dk, dv, sink_terms.gradient(learnable_sink, lse, dsum_rows, 1)
 
 
 def _unpad(padded, rows, out):

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from dsv4_attention.stages.f_backward import sink as sink_terms
+
 #: bytes of temporaries a chunk of queries may hold
 CHUNK_BYTES = 1 << 30
 
@@ -58,9 +60,7 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
     if causal:
         right = 0
     offset = sk - sq
-    lse_all = lse.to(acc)
-    if learnable_sink is not None:
-        lse_all = torch.logaddexp(lse_all, learnable_sink.to(acc)[None, :, None])
+    lse_all = sink_terms.normalizer(lse.to(acc), learnable_sink, 1)
     lse_p = torch.where(torch.isneginf(lse_all), math.inf, lse_all)  # [b, h, sq]
     dsum = (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2)  # [b, h, sq]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -96,7 +96,7 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
                 if right is not None:
                     ok &= j <= t[:, None] + right
                 keys, values = kv[bi, lo:hi].to(acc), v[bi, lo:hi].to(acc)
-                p, ds = _part(rows_c, keys, values, ok, scale)
+                p, ds = part(rows_c, keys, values, ok, scale)
                 dk[bi, lo:hi] += torch.einsum("ckgn,ckgd->nkd", ds, qc) * scale
                 dv[bi, lo:hi] += torch.einsum("ckgn,ckgd->nkd", p, doc)
             if compressed_kv is None:
@@ -108,7 +108,7 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
                     continue
                 ok = torch.arange(n, device=q.device)[None] < count[:, None]
                 entries = compressed_kv[bi, :n].to(acc)
-                p, ds = _part(rows_c, entries, entries, ok, scale)
+                p, ds = part(rows_c, entries, entries, ok, scale)
                 dc[bi, :n] += torch.einsum("ckgn,ckgd->nkd", ds, qc) * scale + torch.einsum("ckgn,ckgd->nkd", p, doc)
             else:
                 idx = topk_indices[bi, i0:i1].long()  # [c, k]
@@ -117,18 +117,15 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
                 if nc == 0:
                     continue
                 entries = compressed_kv[bi][rows].to(acc)  # [c, k, hk, d]
-                p, ds = _part(rows_c, entries, entries, ok, scale)
+                p, ds = part(rows_c, entries, entries, ok, scale)
                 grads = torch.einsum("ckgn,ckgd->cnkd", ds, qc) * scale + torch.einsum("ckgn,ckgd->cnkd", p, doc)
                 dc[bi].index_add_(0, rows[ok], grads[ok])
-    dsink = None
-    if learnable_sink is not None:
-        p_sink = torch.exp(learnable_sink.to(acc)[None, :, None] - lse_all).nan_to_num(0.0)
-        dsink = -(p_sink * dsum).sum((0, 2)).to(torch.float32)
+    dsink = None if learnable_sink is None else sink_terms.gradient(learnable_sink, lse_all, dsum, 1)
     return (dq.to(q.dtype), dk.to(kv.dtype), dv.to(v.dtype), None if dc is None else dc.to(compressed_kv.dtype),
             dsink)
 
 
-def _part(rows, keys, values, ok, scale):
+def part(rows, keys, values, ok, scale):
     """One part of a chunk's keys (the window's raw keys [n, hk, d] shared by the chunk, or each
     query's listed entries [c, n, hk, d]): P and dS ([c, hk, g, n]), dq += scale dS k into the
     chunk's dq rows. ``rows`` = (q, dO, LSE', D, dq) of the chunk, [c, hk, g, (d)]."""

@@ -25,6 +25,9 @@ import math
 
 import torch
 
+from dsv4_attention.stages.f_backward import sink as sink_terms
+from dsv4_attention.stages.f_backward.fused import part
+
 #: bytes of temporaries a chunk may hold (scores, P, dP, dS; gathered rows and their gradients)
 CHUNK_BYTES = 1 << 30
 
@@ -55,28 +58,21 @@ def index_backward(q, kv, indices, o, lse, do, *, topk_length=None, attn_sink=No
     valid = (idx >= 0) & (idx < kv.shape[0])  # the kernel's contract: an index outside the rows is -1
     if topk_length is not None:
         valid &= torch.arange(k, device=idx.device)[None] < topk_length[:, None]
-    lse_all = lse.to(acc)
-    if attn_sink is not None:
-        lse_all = torch.logaddexp(lse_all, attn_sink.to(acc)[None])
+    lse_all = sink_terms.normalizer(lse.to(acc), attn_sink, 1)
     lse_p = torch.where(torch.isneginf(lse_all), math.inf, lse_all)  # no key, no finite sink: P = 0
     dsum = (do.to(acc) * o.to(acc)).sum(-1)  # [tokens, heads]
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = torch.zeros((kv.shape[0], d), dtype=acc, device=kv.device)
     per_token = (4 * heads * k + 3 * k * d) * torch.finfo(acc).bits // 8
     chunk = max(1, min(tokens, chunk_bytes // max(per_token, 1)))
     for t0 in range(0, tokens, chunk):
         sl = slice(t0, t0 + chunk)
         rows, ok = idx[sl].clamp(min=0).long(), valid[sl]
-        g = kv[rows, 0].to(acc)  # [c, k, d]
-        qc, doc = q[sl].to(acc), do[sl].to(acc)
-        p = torch.exp(torch.einsum("chd,ckd->chk", qc, g) * scale - lse_p[sl, :, None])
-        p = p.masked_fill(~ok[:, None, :], 0.0)
-        ds = p * (torch.einsum("chd,ckd->chk", doc, g) - dsum[sl, :, None])
-        dq[sl] = torch.einsum("chk,ckd->chd", ds, g) * scale
-        dg = torch.einsum("chk,chd->ckd", p, doc) + torch.einsum("chk,chd->ckd", ds, qc) * scale
+        g = kv[rows].to(acc)  # [c, k, 1, d]: one kv head, the token's heads its group
+        qc, doc = q[sl].to(acc)[:, None], do[sl].to(acc)[:, None]
+        # the same per-query-list part as the layer's top-k entries (fused.part), one kv head
+        p, ds = part((qc, doc, lse_p[sl, None], dsum[sl, None], dq[sl].view(-1, 1, heads, d)), g, g, ok, scale)
+        dg = torch.einsum("ckgn,ckgd->cnd", p, doc) + torch.einsum("ckgn,ckgd->cnd", ds, qc) * scale
         dkv.index_add_(0, rows[ok], dg[ok])
-    dsink = None
-    if attn_sink is not None:
-        p_sink = torch.exp(attn_sink.to(acc)[None] - lse_all).nan_to_num(0.0)
-        dsink = -(p_sink * dsum).sum(0).to(torch.float32)
+    dsink = None if attn_sink is None else sink_terms.gradient(attn_sink, lse_all, dsum, 1)
     return dq.to(q.dtype), dkv.to(kv.dtype).reshape(kv.shape), dsink
