@@ -78,3 +78,21 @@ def test_rows_with_no_raw_key(mode):
 
 def test_checker_rejects_another_ratios_visibility():
     assert failures(1, "hca", True, 1 << 30, wrong_ratio=True, causal=True)
+
+
+def test_composed_covers_reads_tensor_options():
+    """The rule that routes a call to this backward reads its options by whether they are given:
+    a tensor option (seqused_k, offsets of many requests) declines the call, it is never compared
+    elementwise (``tensor in (None, 0)`` raised on the device: the call then failed instead of
+    being routed); kv_start 0 and None are not given, kv_start 5 is."""
+    from dsv4_attention.common.autograd import composed_covers
+
+    q = torch.zeros(1, 4, 2, 64)
+    for name in ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "positions", "out", "lse_out"):
+        assert composed_covers(q, "hd 512", True, {name: torch.tensor([3, 4, 5])}) is False
+    assert composed_covers(q, "hd 512", True, {"num_splits": 2}) is False
+    assert composed_covers(q, "hd 512", True, {"kv_start": 5}) is False
+    # every option absent or 0: only the device decides (a CPU q is never the composed backward's)
+    assert composed_covers(q, "hd 512", True, {"kv_start": 0, "seqused_k": None, "num_splits": 1}) is False
+    with pytest.raises(RuntimeError, match="ambiguous"):  # the comparison the rule must not make
+        bool(torch.tensor([3, 4, 5]) not in (None, 0))

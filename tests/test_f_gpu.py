@@ -185,7 +185,8 @@ def varlen_reference(q, k, v, do, o, cu_q, cu_k, **mask):
     for given in (None, o):
         grads = [torch.zeros(t.shape, dtype=torch.float64, device=t.device) for t in (q, k, v)]
         dsink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float64, device=q.device)
-        bounds = zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:], strict=True)
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        bounds = zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True)
         for a, b, c, e in bounds:
             if a == b or c == e:
                 continue
@@ -295,12 +296,12 @@ def test_v4_layer_backward(arch, mode, record_errors):
     4, top-k lists with -1 padding) and the window alone at head dim 512 (no kernel backward there)."""
     q, kv, _, g = attention_inputs(1, 400, 400, 64, 1, 512, torch.bfloat16, kv_shared=True)
     do = random_bshd(1, 400, 64, 512, torch.bfloat16, q.device, generator=g)
-    sink = torch.randn(64, device=q.device, generator=g)
+    sink = torch.randn(64, generator=g).to(q.device)
     ratio = 128 if mode == "hca" else 4
-    ckv = (torch.randn(1, 400 // ratio, 1, 512, device=q.device, generator=g) / 4).bfloat16()
+    ckv = (torch.randn(1, 400 // ratio, 1, 512, generator=g) / 4).to(q.device, torch.bfloat16)
     options = dict(compressed_kv=ckv, compress_ratio=ratio) if mode != "window_hd512" else {}
     if mode == "csa":
-        idx = torch.randint(-1, 400 // ratio, (1, 400, 64), device=q.device, generator=g, dtype=torch.int32)
+        idx = torch.randint(-1, 400 // ratio, (1, 400, 64), generator=g, dtype=torch.int32).to(q.device)
         options["topk_indices"] = idx
     leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
     kw = dict(options, compressed_kv=leaves[2]) if options else {}
@@ -333,15 +334,15 @@ def test_v4_ops_backward_and_torch_compile(arch, record_errors):
 
     q, kv, _, g = attention_inputs(1, 300, 300, 64, 1, 512, torch.bfloat16, kv_shared=True)
     do = random_bshd(1, 300, 64, 512, torch.bfloat16, q.device, generator=g)
-    ckv = (torch.randn(1, 300 // 128, 1, 512, device=q.device, generator=g) / 4).bfloat16()
-    sink = torch.randn(64, device=q.device, generator=g)
+    ckv = (torch.randn(1, 300 // 128, 1, 512, generator=g) / 4).to(q.device, torch.bfloat16)
+    sink = torch.randn(64, generator=g).to(q.device)
 
     def layer(q, kv, ckv, sink):
         o, _ = torch.ops.dsv4_attention.e_fused(q, kv, kv, causal=True, window_left=127, window_right=0,
                                                 learnable_sink=sink, compressed_kv=ckv, compress_ratio=128)
         return (o.float() * do.float()).sum()
 
-    idx = torch.randint(-1, 300, (300, 1, 128), device=q.device, generator=g, dtype=torch.int32)
+    idx = torch.randint(-1, 300, (300, 1, 128), generator=g, dtype=torch.int32).to(q.device)
 
     def index(q, kv, ckv, sink):
         del ckv
@@ -383,7 +384,8 @@ def test_index_attention_backward(arch, heads, record_errors):
     the sink requiring grad; loss.backward() runs stage F's torch-composed index_backward. Against
     torch.autograd through the float64 reference: -1 padding, topk_length, a token with no valid
     index, a row listed twice, a -inf sink (its gradient 0)."""
-    g = torch.Generator(device="cuda").manual_seed(heads)
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs each run
+    g = torch.Generator(device="cuda").manual_seed(seed)
     tokens, rows, k, d = 300, 2000, 512, 512
     q = (torch.randn(tokens, heads, d, device="cuda", generator=g) / 4).bfloat16()
     kv = (torch.randn(rows, 1, d, device="cuda", generator=g) / 4).bfloat16()

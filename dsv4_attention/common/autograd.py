@@ -81,17 +81,23 @@ _OP_UNCOVERED = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", 
 _COMPOSED_UNCOVERED = ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "kv_start", "positions", "cu_seqlens_compressed")
 
 
+def _given(value) -> bool:
+    """An option given: a tensor, or a value other than None and 0 (``kv_start``'s default). Never
+    ``value in (None, 0)``: that compares a tensor elementwise."""
+    return isinstance(value, torch.Tensor) or (value is not None and value != 0)
+
+
 def composed_covers(q, kernel_why, entries: bool, options: dict) -> bool:
     """Whether stage F's torch-composed backward (f_backward/fused.py) takes a call that needs a
     gradient: batched CUDA tensors with compressed entries (``entries``) or that its kernel does not
     serve (``kernel_why``: ``serves``' reason, None if it does), and none of the options it does
     not take (``options``: the call's named arguments; seqused_k, offsets, positions, kv_start,
     out, lse_out, splits). The one rule for ``attention`` and the attention ops."""
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
-        return False
     if options.get("num_splits") not in (1, None):
         return False
-    if any(options.get(n) not in (None, 0) for n in _COMPOSED_UNCOVERED + ("out", "lse_out")):
+    if any(_given(options.get(n)) for n in _COMPOSED_UNCOVERED + ("out", "lse_out")):
+        return False
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
         return False
     return entries or kernel_why is not None
 
