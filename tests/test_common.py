@@ -40,6 +40,17 @@ def test_one_bad_row_is_seen():
     assert e.rel_fro < 1e-3 < e.row_rel and e.worst_row == (617,)
 
 
+def test_vectors_and_scalars_are_one_row():
+    """A sink's gradient [heads] (and a scalar) is one row: the measures read it whole (a 1-D
+    input raised IndexError on the device, 2026-11-29), and a wrong entry still fails."""
+    ref = torch.randn(64, dtype=torch.float64)
+    assert errors(ref.clone(), ref).within(1e-12, 1e-12) and errors(ref.clone(), ref).worst_row == ()
+    bad = ref.clone()
+    bad[5] += 1.0
+    assert not errors(bad, ref).within(1e-3, 1e-3)
+    assert not errors(torch.tensor(2.0), torch.tensor(1.0, dtype=torch.float64)).within(1e-3, 1e-3)
+
+
 def test_swizzle_acts_on_bytes():
     # S<3,4,3>: bits 7..9 of the byte address XOR into bits 4..6 (16-byte chunks within 128 B)
     assert swizzle_bytes(0x80, 3, 4, 3) == 0x90

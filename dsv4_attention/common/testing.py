@@ -53,12 +53,15 @@ def errors(out: torch.Tensor, ref: torch.Tensor, row_floor: float = 0.0) -> Erro
         return Errors(math.inf, math.inf, math.inf, tuple(bad[:-1]))
     diff = o - r
     rel = (diff.norm() / r.norm().clamp_min(1e-300)).item()
-    row_num = diff.flatten(0, -2).norm(dim=-1)
-    row_den = r.flatten(0, -2).norm(dim=-1)
+    # one row per index of the leading dims; a vector (a sink's gradient) or a scalar is one row
+    rows = tuple(r.shape[:-1])
+    width = r.shape[-1] if r.dim() else 1
+    row_num = diff.reshape(-1, width).norm(dim=-1)
+    row_den = r.reshape(-1, width).norm(dim=-1)
     row_den = row_den.clamp_min(max(row_floor * row_den.square().mean().sqrt().item(), 1e-300))
     row_err = row_num / row_den
     worst = int(row_err.argmax())
-    worst_idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape[:-1]))
+    worst_idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), rows)) if rows else ()
     return Errors(rel, row_err[worst].item(), diff.abs().max().item(), worst_idx)
 
 
