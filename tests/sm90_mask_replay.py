@@ -68,6 +68,21 @@ def replay_buffers(kernel) -> tuple:
     return torch.zeros(threads, MAX_VISITS, vals), torch.zeros(threads, vals, 2, dtype=torch.int32)
 
 
+def compile_replay(host, kernel, info_len: int, n_ints: int, *extra: torch.Tensor) -> tuple:
+    """(fn, bufs): ``host`` compiled for sm90 on the host, taking the replay buffers, an int32
+    ``info`` vector of ``info_len``, ``n_ints`` Int32 scalars and then the ``extra`` tensors;
+    bufs = (out, coords, info)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    from dsv4_attention.common.arch import GPU_ARCH, target_arch
+
+    bufs = (*replay_buffers(kernel), torch.zeros(info_len, dtype=torch.int32))
+    with target_arch("sm90"):
+        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * n_ints),
+                          *[from_dlpack(t) for t in extra], options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    return fn, bufs
+
+
 def consumer_s_coords(kernel, qk_mma: cute.TiledMma, tidx):
     """(warpgroup, tScS) of consumer thread ``tidx`` (0 .. consumer_threads - 1): its warpgroup
     and the (row, key) tile coordinates of its S values, from the kernel's QK partition as its

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import partitions
 import pytest
 from cutlass.cute.nvgpu import tcgen05
 
@@ -58,17 +59,6 @@ def _trace(fn):
     return box["v"]
 
 
-def _coords(part) -> list[tuple[int, int]]:
-    """The (m, n) of every value of a partition of the identity tile, in value order.
-    Same as ``part[v]`` (base coordinate + layout offset), about 3x faster."""
-    base = tuple(int(x) for x in part.iterator)
-    out = []
-    for v in range(cute.size(part)):
-        off = part.layout(v)
-        out.append((base[0] + int(off[0]), base[1] + int(off[1])))
-    return out
-
-
 def gather_holdings(ab_dtype, op=None, slice_index=lambda t: t):
     """What each epilogue thread of the kernel holds, as the kernel builds it.
 
@@ -92,8 +82,8 @@ def gather_holdings(ab_dtype, op=None, slice_index=lambda t: t):
             src = thr.partition_S(coords)  # a tcgen05.ld source is warp-collective
             key = str(src)
             if key not in sources:
-                sources[key] = sorted(set(_coords(src)))
-            held = [(m, n, int(cute.crd2idx((m, n), acc_mn))) for m, n in _coords(thr.partition_D(coords))]
+                sources[key] = sorted(set(partitions.coords(src)))
+            held = [(m, n, int(cute.crd2idx((m, n), acc_mn))) for m, n in partitions.coords(thr.partition_D(coords))]
             threads.append({"dst": held, "src": key})
         return {"threads": threads, "src": sources}
 
@@ -154,7 +144,7 @@ def test_epilogue_thread_t_holds_row_t():
 
 @pytest.mark.stage_a
 def test_fast_coordinates_match_tensor_indexing():
-    """``_coords`` (used by the gather for speed) agrees with plain ``tensor[v]``."""
+    """``partitions.coords`` (used by the gather for speed) agrees with plain ``tensor[v]``."""
 
     def body():
         tiled_copy, _ = make_acc_tmem_load(make_acc_fragment(make_qk_tiled_mma(cutlass.BFloat16)), EPI_COLS)
@@ -164,7 +154,7 @@ def test_fast_coordinates_match_tensor_indexing():
             thr = tiled_copy.get_slice(t)
             for part in (thr.partition_D(coords), thr.partition_S(coords)):
                 plain = [tuple(int(x) for x in part[v]) for v in range(0, cute.size(part), 7)]
-                same = same and plain == _coords(part)[::7]
+                same = same and plain == partitions.coords(part)[::7]
         return same
 
     assert _trace(body)

@@ -41,6 +41,7 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import warpgroup
+from partitions import coords, kblock_strided, rows_for_halves
 
 from dsv4_attention.common.layout_proof import as_ints, first_mismatches, offset_of, trace
 from dsv4_attention.common.p_staging import acc_to_a_layout, make_pv_tiled_mma
@@ -67,20 +68,6 @@ PV_HEAD_DIM = 128  # the A operand (P) does not depend on the PV MMA's N
 # wrong reinterpretations (negative controls), same signature as acc_to_a_layout
 
 
-def kblock_strided(acc_layout):
-    """k-block j = column octets (j, j + 8): the octet mode split (8, 2), not (2, 8)."""
-    (c, r, v), m, n = acc_layout.shape
-    (dc, dr, dv), dm, dn = acc_layout.stride
-    return cute.make_layout(((c, r, 2), m, (v // 2, n)), stride=((dc, dr, (v // 2) * dv), dm, (dv, dn)))
-
-
-def rows_for_halves(acc_layout):
-    """The row-pair mode and the column-half mode exchanged."""
-    (c, r, v), m, n = acc_layout.shape
-    (dc, dr, dv), dm, dn = acc_layout.stride
-    return cute.make_layout(((c, r, 2), m, (v // 2, n)), stride=((dc, dv, dr), dm, (2 * dv, dn)))
-
-
 class halves_swapped:  # noqa: N801 - used like the layout functions
     """The two 8-column halves of each k-block exchanged (register of half h read as 1 - h)."""
 
@@ -104,17 +91,6 @@ REINTERPRETATIONS = {
 
 # ---------------------------------------------------------------------------------------
 # gather (inside the trace) and check (plain Python)
-
-
-def _coords(part) -> list[tuple[int, int]]:
-    """(m, n) of every value of a partition of an identity tile, in value order
-    (base coordinate + layout offset; same as ``part[v]``, faster)."""
-    base = tuple(int(x) for x in part.iterator)
-    out = []
-    for v in range(cute.size(part)):
-        off = part.layout(v)
-        out.append((base[0] + int(off[0]), base[1] + int(off[1])))
-    return out
 
 
 def _mode_sizes(shape) -> tuple[int, ...]:
@@ -171,11 +147,11 @@ def gather(dtype_name: str) -> dict:
             thr_qk = qk_mma.get_slice(t)
             thr_pv = pv_mma.get_slice(t)
             tScS = thr_qk.partition_C(ident_s)
-            held = _coords(tScS)
+            held = coords(tScS)
             qk.append({acc_regs[i]: held[i] for i in range(len(held))})
-            a.append(_coords(thr_pv.partition_A(ident_p)))
+            a.append(coords(thr_pv.partition_A(ident_p)))
             # O's row view, as the epilogue scales it: register -> row, row view -> registers
-            o_held = _coords(thr_pv.partition_C(ident_o))
+            o_held = coords(thr_pv.partition_C(ident_o))
             o_row_of = {o_regs[v]: o_held[v][0] for v in range(len(o_held))}
             o_rows.append([sorted({o_row_of[r] for r in regs}) for regs in o_rows_regs])
             c_view = cute.make_tensor(tScS.iterator, acc_rows_layout(tScS.layout))
@@ -234,7 +210,7 @@ def test_negative_controls_are_rejected(holdings, wrong):
 
 
 def test_fast_coordinates_match_tensor_indexing():
-    """``_coords`` (used by the gather for speed) agrees with plain ``tensor[v]``."""
+    """``coords`` (used by the gather for speed) agrees with plain ``tensor[v]``."""
 
     def body():
         qk_mma = make_tiled_mma(cutlass.BFloat16)
@@ -244,7 +220,7 @@ def test_fast_coordinates_match_tensor_indexing():
         for t in (0, 77, 200):
             for part in (qk_mma.get_slice(t).partition_C(ident), pv_mma.get_slice(t).partition_A(ident)):
                 plain = [tuple(int(x) for x in part[v]) for v in range(cute.size(part))]
-                same = same and plain == _coords(part)
+                same = same and plain == coords(part)
         return same
 
     assert trace(body, arch="sm90")

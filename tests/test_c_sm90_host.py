@@ -35,6 +35,7 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 from cutlass.cute.nvgpu import warpgroup
+from partitions import coords, kblock_strided, rows_for_halves
 
 from dsv4_attention.common.layout_proof import as_ints, first_mismatches, offset_of, trace
 from dsv4_attention.common.mask import key_limit, num_kv_tiles
@@ -116,21 +117,7 @@ def test_v_ring_checker_rejects_wrong_views(wrong):
 # 2-5. What every consumer thread holds, at each default tile
 
 
-def kblock_strided(acc_layout):
-    """k-block j = column octets (j, j + V/2): the octet mode split the wrong way round."""
-    (c, r, v), m, n = acc_layout.shape
-    (dc, dr, dv), dm, dn = acc_layout.stride
-    return cute.make_layout(((c, r, 2), m, (v // 2, n)), stride=((dc, dr, (v // 2) * dv), dm, (dv, dn)))
-
-
-def halves_swapped(acc_layout):
-    """The row-pair mode and the column-half mode of the A value exchanged."""
-    (c, r, v), m, n = acc_layout.shape
-    (dc, dr, dv), dm, dn = acc_layout.stride
-    return cute.make_layout(((c, r, 2), m, (v // 2, n)), stride=((dc, dv, dr), dm, (2 * dv, dn)))
-
-
-RELABELLINGS = {"right": acc_to_a_layout, "kblock_strided": kblock_strided, "halves_swapped": halves_swapped}
+RELABELLINGS = {"right": acc_to_a_layout, "kblock_strided": kblock_strided, "rows_for_halves": rows_for_halves}
 
 
 def rows_cols_exchanged(acc_layout):
@@ -141,15 +128,6 @@ def rows_cols_exchanged(acc_layout):
 
 
 ROW_VIEWS = {"right": acc_rows_layout, "rows_cols_exchanged": rows_cols_exchanged}
-
-
-def _coords(part) -> list[tuple[int, int]]:
-    base = tuple(int(x) for x in part.iterator)
-    out = []
-    for v in range(cute.size(part)):
-        off = part.layout(v)
-        out.append((base[0] + int(off[0]), base[1] + int(off[1])))
-    return out
 
 
 def gather(tile_m: int, tile_n: int, head_dim: int, dtype_name: str = "bfloat16") -> dict:
@@ -185,10 +163,10 @@ def gather(tile_m: int, tile_n: int, head_dim: int, dtype_name: str = "bfloat16"
         ident_o = cute.make_identity_tensor((tile_m, head_dim))
         s, a, o = [], [], []
         for t in range(warpgroups * THREADS_PER_WARPGROUP):
-            held = _coords(qk.get_slice(t).partition_C(ident_s))
+            held = coords(qk.get_slice(t).partition_C(ident_s))
             s.append({s_regs[v]: held[v] for v in range(len(held))})
-            a.append(_coords(pv.get_slice(t).partition_A(ident_s)))
-            held_o = _coords(pv.get_slice(t).partition_C(ident_o))
+            a.append(coords(pv.get_slice(t).partition_A(ident_s)))
+            held_o = coords(pv.get_slice(t).partition_C(ident_o))
             o.append({o_regs[v]: held_o[v] for v in range(len(held_o))})
         return {"layout": str(acc.layout), "a_sizes": a_sizes, "relabel": relabel, "views": views,
                 "s": s, "a": a, "o": o}
@@ -237,7 +215,7 @@ def test_p_registers_are_the_pv_a_fragment(tile_m, tile_n, head_dim, dtype_name)
     assert not fails, fails
 
 
-@pytest.mark.parametrize("wrong", ["kblock_strided", "halves_swapped"])
+@pytest.mark.parametrize("wrong", ["kblock_strided", "rows_for_halves"])
 def test_p_negative_controls_are_rejected(wrong):
     assert p_failures(holdings(*CONFIGS[-1]), wrong), f"{wrong} passed at 128 x 80"
     assert p_failures(holdings(*CONFIGS[0]), wrong), f"{wrong} passed at 192 x 128"

@@ -35,6 +35,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 from cutlass import Int32
+from partitions import inside, put
 
 from dsv4_attention.common.tmem import EPI_THREADS, QK_TILE_M
 from dsv4_attention.stages.d3_lengths.sm100 import FlashAttentionD3Sm100
@@ -67,18 +68,6 @@ def build_store_runner(kernel):
     from dsv4_attention.stages.d1_smem_p.sm100 import LSE_ROW_MAJOR, V_AS_PV_B
 
     o_cols = kernel.plan.o_cols
-
-    @cute.jit
-    def inside(crd, shape):
-        ok = (crd[0] >= 0) & (crd[0] < shape[0])
-        for i in cutlass.range_constexpr(1, len(shape)):
-            ok = ok & (crd[i] >= 0) & (crd[i] < shape[i])
-        return ok
-
-    @cute.jit
-    def put(count: cute.Tensor, who: cute.Tensor, crd, value):
-        count[crd] = count[crd] + 1
-        who[crd] = value
 
     @cute.jit
     def host(count: cute.Tensor, who: cute.Tensor, lse_count: cute.Tensor, lse_who: cute.Tensor,

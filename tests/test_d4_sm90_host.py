@@ -26,11 +26,11 @@ import torch
 from cutlass import Int32
 from sm90_mask_replay import (
     MAX_VISITS,
+    compile_replay,
     kept_keys,
     mask_replayer,
     masking_first_tile_only,
     pair_mismatch,
-    replay_buffers,
 )
 
 from dsv4_attention.common import kv_span
@@ -86,10 +86,7 @@ def kernel_class(wrong: str | None):
 
 @functools.cache
 def runner(name: str, has_left: bool, has_right: bool, wrong: str | None = None):
-    from cutlass.cute.runtime import from_dlpack
-
     from dsv4_attention.common import jit
-    from dsv4_attention.common.arch import GPU_ARCH, target_arch
 
     head_dim, options = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, has_left=has_left,
@@ -106,10 +103,7 @@ def runner(name: str, has_left: bool, has_right: bool, wrong: str | None = None)
         info[1] = span.n_tiles
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    bufs = (*replay_buffers(kernel), torch.zeros(2, dtype=torch.int32))
-    with target_arch("sm90"):
-        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 5),
-                          options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    fn, bufs = compile_replay(host, kernel, 2, 5)
     return kernel, fn, bufs
 
 

@@ -40,6 +40,7 @@ import pytest
 import seam_calls
 import torch
 from cutlass import Int32
+from partitions import inside, put
 from plain_jit import plain
 from sm100_mask_replay import MAX_VISITS, build_mask_runner, mismatches, replay, run_buffers, thread_replayer
 
@@ -1027,13 +1028,6 @@ def build_row_map_runner(kernel):
     o_cols = kernel.plan.o_cols
 
     @cute.jit
-    def inside(crd, shape):
-        ok = (crd[0] >= 0) & (crd[0] < shape[0])
-        for i in cutlass.range_constexpr(1, len(shape)):
-            ok = ok & (crd[i] >= 0) & (crd[i] < shape[i])
-        return ok
-
-    @cute.jit
     def host(count: cute.Tensor, who: cute.Tensor, lse_count: cute.Tensor, lse_who: cute.Tensor,
              q_src: cute.Tensor, sink_head: cute.Tensor, span_list: cute.Tensor, topk: cute.Tensor,
              sink: cute.Tensor, grid_x: Int32, seqlen_k: Int32):
@@ -1066,16 +1060,14 @@ def build_row_map_runner(kernel):
                         if half == 0 and kernel.lse_stored(row, q_row, n_rows):
                             crd = lse[q_row, h, b]
                             if inside(crd, lse_count.shape):
-                                lse_count[crd] = lse_count[crd] + 1
-                                lse_who[crd] = tag0 + row
+                                put(lse_count, lse_who, crd, tag0 + row)
                     if cutlass.const_expr(not kernel.padded()):  # one box, clipped by TMA (a batched call)
                         box = kernel.o_tile(o, m_blk, half, h, b)
                         for i in cutlass.range(QK_TILE_M, unroll=1):
                             for j in cutlass.range(o_cols, unroll=1):
                                 crd = box[i, j]
                                 if inside(crd, count.shape):
-                                    count[crd] = count[crd] + 1
-                                    who[crd] = (tag0 + i) * 1024 + half * o_cols + j
+                                    put(count, who, crd, (tag0 + i) * 1024 + half * o_cols + j)
                     else:  # row by row: each correction thread its own row, where row_stored
                         for t in cutlass.range(EPI_THREADS, unroll=1):
                             thr = tiled_o_load.get_slice(t)
@@ -1085,8 +1077,7 @@ def build_row_map_runner(kernel):
                                 for i in cutlass.range(cute.size(dst), unroll_full=True):
                                     crd = dst[i]
                                     if inside(crd, count.shape):
-                                        count[crd] = count[crd] + 1
-                                        who[crd] = (tag0 + rids[i][0]) * 1024 + half * o_cols + rids[i][1]
+                                        put(count, who, crd, (tag0 + rids[i][0]) * 1024 + half * o_cols + rids[i][1])
                                     else:
                                         count[0, 0, 0, 0] = count[0, 0, 0, 0] + 1000000  # outside the tensor
 

@@ -27,6 +27,7 @@ import torch
 from cutlass import Float32, Int32
 from sm90_mask_replay import (
     MAX_VISITS,
+    compile_replay,
     kept_keys,
     mask_replayer,
     masking_first_tile_only,
@@ -97,10 +98,7 @@ KERNELS = {  # name: (head_dim, options)
 
 @functools.cache
 def runner(name: str, window: bool, wrong: str | None = None, positions: bool = False):
-    from cutlass.cute.runtime import from_dlpack
-
     from dsv4_attention.common import jit
-    from dsv4_attention.common.arch import GPU_ARCH, target_arch
 
     head_dim, options = KERNELS[name]
     kernel = kernel_class(wrong)(jit.cutlass_dtype(torch.bfloat16), head_dim, kv_shared=True, has_compressed=True,
@@ -120,10 +118,7 @@ def runner(name: str, window: bool, wrong: str | None = None, positions: bool = 
         info[2] = span.n_cmp
         replay(qk_mma, span, m_block * kernel.tile_m, out, coords)
 
-    bufs = (*replay_buffers(kernel), torch.zeros(3, dtype=torch.int32))
-    with target_arch("sm90"):
-        fn = cute.compile(host, *[from_dlpack(b) for b in bufs], *([Int32(1)] * 8),
-                          from_dlpack(torch.zeros(4, dtype=torch.int32)), options=f"--gpu-arch={GPU_ARCH['sm90']}")
+    fn, bufs = compile_replay(host, kernel, 3, 8, torch.zeros(4, dtype=torch.int32))
     return kernel, fn, bufs
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import pytest
+from partitions import coords
 
 from dsv4_attention.common.layout_proof import as_ints, offset_of, trace
 from dsv4_attention.common.p_staging import make_pv_tiled_mma
@@ -62,11 +63,6 @@ def test_transposed_view_checker_rejects_a_kmajor_read():
     assert transpose_mismatches(TILE_N, TILE_M, 1, wrong=True)
 
 
-def _coords(part) -> list:
-    base = tuple(int(x) for x in part.iterator)
-    return [(base[0] + int(part.layout(v)[0]), base[1] + int(part.layout(v)[1])) for v in range(cute.size(part))]
-
-
 def held(head_dim: int) -> dict:
     def body():
         dtype = cutlass.BFloat16
@@ -81,9 +77,9 @@ def held(head_dim: int) -> dict:
             out["views"][name] = [[int(view((a, b))) for b in range(cute.size(view, mode=[1]))]
                                   for a in range(cute.size(view, mode=[0]))]
         for t in range(THREADS):
-            out["s"].append(_coords(sdp.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))))
-            out["dq"].append(_coords(dq.get_slice(t).partition_C(cute.make_identity_tensor((TILE_M, head_dim)))))
-            out["dkv"].append(_coords(dkv.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, head_dim)))))
+            out["s"].append(coords(sdp.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))))
+            out["dq"].append(coords(dq.get_slice(t).partition_C(cute.make_identity_tensor((TILE_M, head_dim)))))
+            out["dkv"].append(coords(dkv.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, head_dim)))))
         return out
 
     return trace(body, arch="sm90")

@@ -1,0 +1,63 @@
+"""Helpers of the host layout proofs shared by several stages' tests.
+
+``coords``: the (m, n) every value of a partition of an identity tile stands for, read from the
+partition's base coordinate plus its layout's offset (what ``part[v]`` gives, about 3x faster;
+each test that gathers with it checks it against ``part[v]`` on its own partitions).
+
+The wrong relabellings of an sm90 accumulator as the next GEMM's A operand (negative controls
+for ``common.p_staging.acc_to_a_layout``; the accumulator's value mode is (c, r, v): column
+pair, row pair, column octets):
+
+  - ``kblock_strided``: k-block j = column octets (j, j + v/2), the octet mode split the wrong
+    way round;
+  - ``rows_for_halves``: the row-pair mode and the column-half mode exchanged.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+
+def coords(part) -> list[tuple[int, int]]:
+    """The (m, n) of every value of ``part`` (a partition of an identity tile), in value order."""
+    base = tuple(int(x) for x in part.iterator)
+    out = []
+    for v in range(cute.size(part)):
+        off = part.layout(v)
+        out.append((base[0] + int(off[0]), base[1] + int(off[1])))
+    return out
+
+
+def kblock_strided(acc_layout):
+    """k-block j = column octets (j, j + v/2): the octet mode split (v/2, 2), not (2, v/2)."""
+    (c, r, v), m, n = acc_layout.shape
+    (dc, dr, dv), dm, dn = acc_layout.stride
+    return cute.make_layout(((c, r, 2), m, (v // 2, n)), stride=((dc, dr, (v // 2) * dv), dm, (dv, dn)))
+
+
+def rows_for_halves(acc_layout):
+    """The row-pair mode and the column-half mode of the A value exchanged."""
+    (c, r, v), m, n = acc_layout.shape
+    (dc, dr, dv), dm, dn = acc_layout.stride
+    return cute.make_layout(((c, r, 2), m, (v // 2, n)), stride=((dc, dv, dr), dm, (2 * dv, dn)))
+
+
+# The store proofs' bookkeeping over coordinate views (host functions compiled for the arch and
+# run on the CPU): a store's target counted and tagged where it lies inside the tensor.
+
+
+@cute.jit
+def inside(crd, shape):
+    """Whether coordinate ``crd`` lies inside ``shape`` in every mode."""
+    ok = (crd[0] >= 0) & (crd[0] < shape[0])
+    for i in cutlass.range_constexpr(1, len(shape)):
+        ok = ok & (crd[i] >= 0) & (crd[i] < shape[i])
+    return ok
+
+
+@cute.jit
+def put(count: cute.Tensor, who: cute.Tensor, crd, value):
+    """One store to ``crd``: counted (a second store shows as 2) and tagged with its writer."""
+    count[crd] = count[crd] + 1
+    who[crd] = value
