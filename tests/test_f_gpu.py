@@ -470,6 +470,54 @@ def test_autograd_through_attention(arch, head_dim, causal, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+def test_cuda_graph_training_step(arch):
+    """A training step (``attention``'s forward with a sink, ``loss.backward()``) captured in one CUDA
+    graph, as torch.cuda.graph's whole-network capture does it (warm on a side stream, grads None
+    at capture): replayed after new values are copied into the static inputs and the gradients
+    poisoned, its gradients equal eager autograd's on those values: dK and dV bitwise (summed in
+    one CTA in a fixed order), dQ and the sink's within rounding (dQ's sums across CTAs are added
+    in the order they land). Nothing in the forward or the backward may synchronize the host."""
+    shape = (2, 300, 400, 4, 2, 128, torch.bfloat16)
+    q, k, v, g = attention_inputs(*shape)
+    do = random_bshd(2, 300, 4, 128, torch.bfloat16, q.device, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    leaves.append(torch.tensor([0.5, -1.0, 2.0, 0.0], device=q.device, requires_grad=True))
+
+    def step(q, k, v, sink):
+        o, _ = attention(q, k, v, causal=True, learnable_sink=sink)
+        (o.float() * do.float()).sum().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compiled kernels loaded, the allocator's pools warm
+            for t in leaves:
+                t.grad = None
+            step(*leaves)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*leaves)
+    grads = [t.grad for t in leaves]  # the graph's static gradient buffers
+    fresh = [*attention_inputs(*shape)[:3], torch.tensor([-0.3, 1.0, 0.2, -2.0], device=q.device)]
+    with torch.no_grad():
+        for t, f in zip(leaves, fresh, strict=True):
+            t.copy_(f)
+    for t in grads:
+        poison_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = [f.clone().requires_grad_(True) for f in fresh]
+    step(*eager)
+    assert torch.equal(grads[1], eager[1].grad) and torch.equal(grads[2], eager[2].grad), "dK / dV differ"
+    for name, i in (("dq", 0), ("dsink", 3)):
+        e = errors(grads[i], eager[i].grad.double(), row_floor=ROW_FLOOR)
+        assert e.within(1e-2, 2e-2), f"{name}: {e}"
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 def test_op_backward_and_torch_compile(arch, head_dim, record_errors):
     """The custom op with q, k, v and the sink requiring grad: loss.backward() goes through the

@@ -6,7 +6,9 @@
 #     source .device/env.sh; bash tools/device_tests.sh
 # A call has at most 10 minutes: on a machine of few GPUs run the parts over several calls, e.g.
 # on one GPU `DEVICE_TEST_SHARDS=4 DEVICE_TEST_PARTS="1 2" DEVICE_TEST_CONFORMANCE=0`, then
-# `DEVICE_TEST_SHARDS=4 DEVICE_TEST_PARTS="3 4"` (a part takes 4-6 minutes on an H200 machine).
+# `DEVICE_TEST_SHARDS=4 DEVICE_TEST_PARTS="3 4"` (a part took 4-6 minutes on a 4-GPU H200 machine and
+# 8.5 minutes on a one-GPU H200 machine of 16 cores, 2026-11-29: four parts there exceed a session's
+# 30 minutes; `gpu_report --tests stage --stage X` runs one stage's tests and those of no stage, 5 min).
 # Environment: DEVICE_TEST_SHARDS (N; default: GPUs - 1, at least 1), DEVICE_TEST_PARTS (which of
 # 1..N this call runs; default all), DEVICE_TEST_CONFORMANCE (1: run it, default), DRY_RUN=1
 # (print the commands only).
@@ -21,6 +23,8 @@ parts="${DEVICE_TEST_PARTS:-$(seq -s ' ' 1 "$shards")}"
 conformance="${DEVICE_TEST_CONFORMANCE:-1}"
 limit="${DEVICE_TESTS_LIMIT_S:-560}"
 export PYTEST_WORKERS="${PYTEST_WORKERS:-12}" COMPILE_WORKERS="${COMPILE_WORKERS:-4}"
+# a test that hangs fails alone after 5 minutes instead of taking its part's whole time limit
+export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:---timeout=300}"
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then echo "GPU ${CUDA_VISIBLE_DEVICES:-}: $*"; else "$@"; fi; }
 mkdir -p /tmp/dt
 # the GPUs that run parts: all but the last where the conformance run takes it
