@@ -77,6 +77,24 @@ def test_topk_reference_is_the_spec_function():
     assert torch.allclose(o[0], o_ref, atol=1e-12) and torch.allclose(lse[0].transpose(0, 1), lse_ref, atol=1e-12)
 
 
+def test_topk_reference_reads_each_heads_kv_head():
+    """With kv_heads > 1, head h's listed entries are those of kv head h // (heads / kv_heads): a
+    list naming every entry gives the all-entries reference (whose entries expand per kv head).
+    Negative control: kv head 1 replaced by kv head 0 (what a gather of kv head 0 alone reads)
+    changes the result, so the equality sees which kv head was read."""
+    b, T, H, hk, ratio, n_c, d = 2, 40, 4, 2, 4, 10, 32
+    g = torch.Generator().manual_seed(11)
+    q, kv, ckv = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64) for n, h in ((T, H), (T, hk), (n_c, hk)))
+    every = torch.arange(n_c, dtype=torch.int32).expand(b, T, n_c).contiguous()
+    kw = dict(compress_ratio=ratio, causal=True, window_size=(15, 0), softmax_scale=d ** -0.5)
+    o, lse = fused_attention(q, kv, compressed_kv=ckv, topk_indices=every, **kw)
+    o_all, lse_all = fused_attention(q, kv, compressed_kv=ckv, **kw)
+    assert torch.allclose(o, o_all, atol=1e-12) and torch.allclose(lse, lse_all, atol=1e-12)
+    head0 = ckv[:, :, :1].expand(b, n_c, hk, d)
+    o_head0, _ = fused_attention(q, kv, compressed_kv=head0, topk_indices=every, **kw)
+    assert not torch.allclose(o_head0, o_all, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad,match", [
     (torch.zeros(2, 5, 4, dtype=torch.int64), "int32"),
     (torch.zeros(2, 6, 4, dtype=torch.int32), "seqlen_q"),

@@ -362,6 +362,20 @@ def test_unchecked_lists_sync_nothing_and_hide_what_lies_outside(arch, mode, mon
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim,heads", [(512, 128), (128, 256)])
+def test_topk_entries_of_two_kv_heads(arch, head_dim, heads, record_errors):
+    """Two kv heads: one list a token, each packed group reading its own kv head's entries (the
+    reference gathers per kv head; kv head 0's entries for every head would be wrong by O(1))."""
+    sq, k, hk = 97, 96, 2
+    q, kv, _, g = attention_inputs(2, sq, sq, heads, hk, head_dim, torch.bfloat16, kv_shared=True)
+    n_c = sq // 4 + 20
+    ckv = random_bshd(2, n_c, hk, head_dim, torch.bfloat16, "cuda", generator=g)
+    check_attention(stage.forward, q, kv, kv, record_errors, g, arch=arch,
+                    options={"compressed_kv": ckv, "compress_ratio": 4, "topk_indices": topk_lists(2, sq, k, n_c, g),
+                             "causal": True, "window_size": (127, 0), "learnable_sink": sink(heads, g)})
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_topk_hides_listed_entries_not_yet_visible(arch, record_errors):
     """Every list names only entries past the token's count, valued 100: nothing of them may leak."""
     sq, n_c = 100, 64

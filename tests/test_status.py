@@ -226,6 +226,20 @@ def test_two_passes_combine_into_one_record():
     assert c["errors"] == a["errors"]
 
 
+def test_stage_selections(monkeypatch):
+    """``--tests stage`` selects the stages' tests and those of no stage; ``stage-only`` the
+    stages' alone (both in a timed pass of compile tests and a pass of the rest)."""
+    from tools import gpu_report
+
+    seen = []
+    monkeypatch.setattr(gpu_report, "_pytest", lambda select, *a: seen.append(select[1]) or {"pytest_exit": 0})
+    monkeypatch.setattr(gpu_report, "combine", lambda a, b: a)
+    gpu_report.run_tests(["e", "f"], "stage-only", None)
+    gpu_report.run_tests(["e"], "stage", None)
+    assert seen[:2] == ["((stage_e or stage_f)) and not compile", "((stage_e or stage_f)) and compile"]
+    assert seen[2].startswith("((stage_e) or not (stage_a or ") and seen[2].endswith(")) and not compile")
+
+
 def test_bench_date_counts_only_runs_that_benchmarked_the_stage():
     """A stage's measured cell carries the date of the last run that benchmarked it: a later run of
     the calls or decode benchmark (stages []) or of other stages does not move it."""

@@ -1,7 +1,7 @@
 """Run the test session and the benchmarks on a GPU and write the device report.
 
     python -m tools.gpu_report --out DIR [--stage a ... | --stage calls | --stage decode]
-                               [--tests all|gpu|none] [--no-bench] [--no-sanity] [--shard K/N]
+                               [--tests all|stage|stage-only|gpu|cp|none] [--no-bench] [--no-sanity] [--shard K/N]
                                [--deadline-s S] [--conformance]
 
 Writes DIR/<gpu>.json (e.g. h100.json): device, date, versions, ``sources``
@@ -19,7 +19,9 @@ machine of several GPUs, whose report is its own file: h200x2.json); ``none`` ru
 ``--shard K/N`` runs the K-th of N parts of the session (whole test files, balanced by their
 rough GPU weight), so that a session longer than the device's 10-minute command limit runs
 in N calls. ``stage`` runs every test of the ``--stage`` stages (host, compile, proof and GPU
-tests: the whole session's share of those stages) and the tests of no stage.
+tests: the whole session's share of those stages) and the tests of no stage; ``stage-only`` the
+same without the tests of no stage (a session of several calls on one GPU runs those once, in its
+first call, and the later calls only the stages' own tests).
 Results are kept per group (a stage, or ``none``), each with the sha256 of the files its
 evidence depends on (common/scope.py): the run's results are merged into docs/results/<gpu>.json
 from the tree, replacing the same parts of the same groups, and a group whose files changed since
@@ -128,7 +130,8 @@ def run_tests(stages, which: str, log, files=("tests",)) -> dict:
     marks = " or ".join(f"stage_{s}" for s in stages)
     every = " or ".join(f"stage_{s}" for s in report.groups() if s != "none")
     select = (f"gpu and ({marks})" if which == "gpu"
-              else f"({marks}) or not ({every})" if which == "stage" else None)
+              else f"({marks}) or not ({every})" if which == "stage"
+              else f"({marks})" if which == "stage-only" else None)
     workers = os.environ.get("PYTEST_WORKERS", "8")
     if which == "gpu":
         return _pytest(["-m", select], workers, files, log)
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--stage", action="append")
-    ap.add_argument("--tests", choices=("all", "stage", "gpu", "cp", "none"), default="all")
+    ap.add_argument("--tests", choices=("all", "stage", "stage-only", "gpu", "cp", "none"), default="all")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sanity", action="store_true")
     ap.add_argument("--conformance", action="store_true",
@@ -196,7 +199,7 @@ def main(argv=None) -> int:
     shard = tuple(int(x) for x in a.shard.split("/")) if a.shard else None
     if shard and not (a.tests == "all" and 1 <= shard[0] <= shard[1]):
         ap.error("--shard K/N needs --tests all and 1 <= K <= N")
-    if a.tests in ("stage", "gpu") and not a.stage:
+    if a.tests in ("stage", "stage-only", "gpu") and not a.stage:
         ap.error(f"--tests {a.tests} needs --stage")
     if present_arch() is None:
         print(f"gpu_report needs a Hopper or Blackwell GPU; this machine has {gpu_name() or 'none'}")
@@ -236,7 +239,7 @@ def main(argv=None) -> int:
                      else ["tests"])
             summary = run_tests(stage_ids, "all" if a.tests == "cp" else a.tests, log, files)
     srcs = report.sources()
-    if a.tests == "stage" and not stage_ids:
+    if a.tests in ("stage", "stage-only") and not stage_ids:
         ap.error("--tests stage needs a --stage that is a stage (not calls, decode or cp)")
     new = {
         "device": gpu_name(),
@@ -254,6 +257,8 @@ def main(argv=None) -> int:
         part, group_ids = (a.shard if shard else "all"), report.groups()
     elif a.tests == "stage":
         part, group_ids = "stage", [*stage_ids, "none"]
+    elif a.tests == "stage-only":
+        part, group_ids = "stage", stage_ids
     elif a.tests == "cp":
         part, group_ids = "cp", sorted(summary["tests"])
     elif a.tests == "gpu":

@@ -131,12 +131,13 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
             # a listed position past the entries (none at all: a request with no entry) gathers a zero
             # row, masked below; the gather itself clamps into the tensor
             src = compressed_kv if nc else compressed_kv.new_zeros(b, 1, *compressed_kv.shape[2:])
-            rows = torch.stack([src[i, idx[i].clamp(min=0, max=max(nc - 1, 0)), 0] for i in range(b)])
-            rows = rows.to(torch.float64)
+            # one list a query token, shared by its heads; each head reads the entry of its kv head
+            rows = torch.stack([src[i, idx[i].clamp(min=0, max=max(nc - 1, 0))] for i in range(b)])  # [b, sq, k, hk, d]
+            rows = rows.to(torch.float64).repeat_interleave(h // rows.shape[3], dim=3)  # [b, sq, k, h, d]
             scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-            s_c = torch.einsum("bihd,bikd->bhik", q.to(torch.float64), rows) * scale
+            s_c = torch.einsum("bihd,bikhd->bhik", q.to(torch.float64), rows) * scale
             ok = (idx >= 0) & (idx < torch.clamp(count, max=nc))
-            parts.append((s_c.masked_fill(~ok[:, None], -math.inf), "bhik,bikd->bihd", rows))
+            parts.append((s_c.masked_fill(~ok[:, None], -math.inf), "bhik,bikhd->bihd", rows))
     lse = torch.logsumexp(torch.cat([p[0] for p in parts], dim=-1), dim=-1)
     o = sum(torch.einsum(eq, torch.exp(sc - lse[..., None]).nan_to_num(0.0), val) for sc, eq, val in parts)
     if learnable_sink is not None:

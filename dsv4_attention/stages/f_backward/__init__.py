@@ -145,7 +145,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         check_seqused_k(seqused_k, b, k.shape[1], q.device)
     if learnable_sink is not None:
         check_sink(learnable_sink, h, q.device)
-        lse = sink_terms.normalizer(lse, learnable_sink, 1)  # the sink joins the normalizer
+        lse = sink_terms.normalizer(lse, learnable_sink)  # the sink joins the normalizer
     for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
         if t is not None:
             check_out(name, t, k.shape[1:] if varlen else k.shape, k.dtype, k.device)
@@ -187,7 +187,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         dk, dv = _unpad(dk[0], k_rows, dk_out), _unpad(dv[0], k_rows, dv_out)
     if learnable_sink is None:
         return dq, dk, dv
-    return dq, dk, dv, sink_terms.gradient(learnable_sink, lse, dsum_rows, 1)
+    return dq, dk, dv, sink_terms.gradient(learnable_sink, lse, dsum_rows)
 
 
 def _unpad(padded, rows, out):

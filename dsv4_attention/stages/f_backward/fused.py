@@ -60,7 +60,7 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
     if causal:
         right = 0
     offset = sk - sq
-    lse_all = sink_terms.normalizer(lse.to(acc), learnable_sink, 1)
+    lse_all = sink_terms.normalizer(lse.to(acc), learnable_sink)
     lse_p = torch.where(torch.isneginf(lse_all), math.inf, lse_all)  # [b, h, sq]
     dsum = (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2)  # [b, h, sq]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -120,7 +120,7 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
                 p, ds = part(rows_c, entries, entries, ok, scale)
                 grads = torch.einsum("ckgn,ckgd->cnkd", ds, qc) * scale + torch.einsum("ckgn,ckgd->cnkd", p, doc)
                 dc[bi].index_add_(0, rows[ok], grads[ok])
-    dsink = None if learnable_sink is None else sink_terms.gradient(learnable_sink, lse_all, dsum, 1)
+    dsink = None if learnable_sink is None else sink_terms.gradient(learnable_sink, lse_all, dsum)
     return (dq.to(q.dtype), dk.to(kv.dtype), dv.to(v.dtype), None if dc is None else dc.to(compressed_kv.dtype),
             dsink)
 

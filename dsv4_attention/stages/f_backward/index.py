@@ -58,7 +58,7 @@ def index_backward(q, kv, indices, o, lse, do, *, topk_length=None, attn_sink=No
     valid = (idx >= 0) & (idx < kv.shape[0])  # the kernel's contract: an index outside the rows is -1
     if topk_length is not None:
         valid &= torch.arange(k, device=idx.device)[None] < topk_length[:, None]
-    lse_all = sink_terms.normalizer(lse.to(acc), attn_sink, 1)
+    lse_all = sink_terms.normalizer(lse.to(acc), attn_sink)
     lse_p = torch.where(torch.isneginf(lse_all), math.inf, lse_all)  # no key, no finite sink: P = 0
     dsum = (do.to(acc) * o.to(acc)).sum(-1)  # [tokens, heads]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -74,5 +74,5 @@ def index_backward(q, kv, indices, o, lse, do, *, topk_length=None, attn_sink=No
         p, ds = part((qc, doc, lse_p[sl, None], dsum[sl, None], dq[sl].view(-1, 1, heads, d)), g, g, ok, scale)
         dg = torch.einsum("ckgn,ckgd->cnd", p, doc) + torch.einsum("ckgn,ckgd->cnd", ds, qc) * scale
         dkv.index_add_(0, rows[ok], dg[ok])
-    dsink = None if attn_sink is None else sink_terms.gradient(attn_sink, lse_all, dsum, 1)
+    dsink = None if attn_sink is None else sink_terms.gradient(attn_sink, lse_all, dsum)
     return dq.to(q.dtype), dkv.to(kv.dtype).reshape(kv.shape), dsink

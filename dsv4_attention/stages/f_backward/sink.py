@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import torch
 
+# LSE is [batch, heads, seqlen_q] or [tokens, heads] wherever the backward reads it: heads on mode 1
+HEADS = 1
 
-def _per_head(sink: torch.Tensor, like: torch.Tensor, head_axis: int) -> torch.Tensor:
+
+def _per_head(sink: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     shape = [1] * like.dim()
-    shape[head_axis] = -1
+    shape[HEADS] = -1
     return sink.to(like.dtype).view(shape)
 
 
-def normalizer(lse: torch.Tensor, sink, head_axis: int) -> torch.Tensor:
-    """LSE' = logaddexp(LSE, sink[h]) (LSE itself without a sink); ``head_axis``: lse's head mode."""
-    return lse if sink is None else torch.logaddexp(lse, _per_head(sink, lse, head_axis))
+def normalizer(lse: torch.Tensor, sink) -> torch.Tensor:
+    """LSE' = logaddexp(LSE, sink[h]) (LSE itself without a sink)."""
+    return lse if sink is None else torch.logaddexp(lse, _per_head(sink, lse))
 
 
-def gradient(sink: torch.Tensor, lse_all: torch.Tensor, dsum: torch.Tensor, head_axis: int) -> torch.Tensor:
-    """d sink [heads] fp32 from LSE' and D (same shape, heads on ``head_axis``)."""
-    p_sink = torch.exp(_per_head(sink, lse_all, head_axis) - lse_all).nan_to_num(0.0)
-    dims = tuple(a for a in range(lse_all.dim()) if a != head_axis % lse_all.dim())
+def gradient(sink: torch.Tensor, lse_all: torch.Tensor, dsum: torch.Tensor) -> torch.Tensor:
+    """d sink [heads] fp32 from LSE' and D (same shape)."""
+    p_sink = torch.exp(_per_head(sink, lse_all) - lse_all).nan_to_num(0.0)
+    dims = tuple(a for a in range(lse_all.dim()) if a != HEADS)
     return -(p_sink * dsum).sum(dims).to(torch.float32)
