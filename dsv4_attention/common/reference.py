@@ -118,28 +118,38 @@ def fused_attention(q, kv, v=None, *, compressed_kv=None, compress_ratio=None, t
     if right is not None:
         vis = vis & (j <= t3 + right)
     s = qk_scores(q, kv, softmax_scale).masked_fill(~vis[:, None], -math.inf)  # [b, h, sq, sk]
-    parts = [(s, "bhij,bjhd->bihd", _expand_kv(v, h).to(torch.float64))]
+    v64 = _expand_kv(v, h).to(torch.float64)
+    parts = [(s, lambda p: torch.einsum("bhij,bjhd->bihd", p, v64))]  # (scores, P -> its part of O)
     if compressed_kv is not None:
         nc = compressed_kv.shape[1]
         count = torch.clamp(t3 + kv_start + 1, min=0) // compress_ratio  # [b, sq, 1]
         if topk_indices is None:
             jc = torch.arange(nc, device=dev)[None, None, :]
             s_c = qk_scores(q, compressed_kv, softmax_scale).masked_fill(~(jc < count)[:, None], -math.inf)
-            parts.append((s_c, "bhij,bjhd->bihd", _expand_kv(compressed_kv, h).to(torch.float64)))
+            c64 = _expand_kv(compressed_kv, h).to(torch.float64)
+            parts.append((s_c, lambda p: torch.einsum("bhij,bjhd->bihd", p, c64)))
         else:
             idx = topk_indices.to(dev).long()  # [b, sq, k]
             # a listed position past the entries (none at all: a request with no entry) gathers a zero
             # row, masked below; the gather itself clamps into the tensor
             src = compressed_kv if nc else compressed_kv.new_zeros(b, 1, *compressed_kv.shape[2:])
-            # one list a query token, shared by its heads; each head reads the entry of its kv head
+            # one list a token, shared by its heads; head h reads kv head n = h // g's entries (heads
+            # grouped as [kv head n, x < g], never expanded: [b, sq, k, h, d] in float64 would not fit)
             rows = torch.stack([src[i, idx[i].clamp(min=0, max=max(nc - 1, 0))] for i in range(b)])  # [b, sq, k, hk, d]
-            rows = rows.to(torch.float64).repeat_interleave(h // rows.shape[3], dim=3)  # [b, sq, k, h, d]
+            rows = rows.to(torch.float64)
+            hk = rows.shape[3]
+            grouped = q.to(torch.float64).reshape(b, sq, hk, h // hk, q.shape[-1])
             scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-            s_c = torch.einsum("bihd,bikhd->bhik", q.to(torch.float64), rows) * scale
+            s_c = torch.einsum("binxd,biknd->bnxik", grouped, rows).reshape(b, h, sq, -1) * scale
             ok = (idx >= 0) & (idx < torch.clamp(count, max=nc))
-            parts.append((s_c.masked_fill(~ok[:, None], -math.inf), "bhik,bikhd->bihd", rows))
+
+            def listed(p, rows=rows, hk=hk):
+                pg = p.reshape(b, hk, h // hk, sq, -1)
+                return torch.einsum("bnxik,biknd->binxd", pg, rows).reshape(b, sq, h, -1)
+
+            parts.append((s_c.masked_fill(~ok[:, None], -math.inf), listed))
     lse = torch.logsumexp(torch.cat([p[0] for p in parts], dim=-1), dim=-1)
-    o = sum(torch.einsum(eq, torch.exp(sc - lse[..., None]).nan_to_num(0.0), val) for sc, eq, val in parts)
+    o = sum(part(torch.exp(sc - lse[..., None]).nan_to_num(0.0)) for sc, part in parts)
     if learnable_sink is not None:
         o = o * _sink_scale(lse, learnable_sink[None, :, None]).transpose(1, 2)[..., None]
     return o, lse
