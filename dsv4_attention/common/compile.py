@@ -17,6 +17,14 @@ suite), and returns what the compiler made:
 
 Run directly: ``python -m common.compile STAGE ARCH DTYPE HEAD_DIM [OPTIONS_JSON]`` prints one
 JSON line (OPTIONS_JSON: the kernel's keyword options, e.g. '{"kv_shared": true}').
+
+Without a GPU, ``compile_report`` hands its compiles to a **compile server**, one child per
+calling process (``--serve``) that imports torch, the DSL and every stage's kernel modules once
+and forks a fresh process per compile: what each compile does and what it is timed on are those of
+a fresh process (the server never compiles, so the fork holds no compiled kernel and no traced
+function), minus the 2-4 s of imports a fresh interpreter spends before its compile starts, which
+CI's ~190 compile tests paid each. A GPU machine keeps one interpreter per compile (a fork after
+the CUDA driver started is undefined; the server would not start it, but nothing here enforces it).
 """
 
 from __future__ import annotations
@@ -204,16 +212,61 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
     return rep
 
 
-def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, timeout: float = 120.0,
-                   options: dict | None = None) -> CompileReport:
-    """Compile in a child process with the file cache off and a time limit."""
-    env = dict(os.environ, CUTE_DSL_DISABLE_FILE_CACHING="1")
+def _child_env() -> tuple:
+    """(environment, working directory) of a compile's process: the file cache off, the package's
+    own directory first on the path (the repository, or site-packages when installed)."""
     import dsv4_attention
 
-    # the directory holding the package (the repository, or site-packages when installed)
+    env = dict(os.environ, CUTE_DSL_DISABLE_FILE_CACHING="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(dsv4_attention.__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env, root
+
+
+_server: list = []  # this process's compile server (a Popen), started on first use
+
+
+def _use_server() -> bool:
+    flag = os.environ.get("DSV4_COMPILE_SERVER")
+    if flag is not None:
+        return flag == "1"
+    import shutil
+
+    return shutil.which("nvidia-smi") is None  # no GPU driver here: forking cannot meet a CUDA context
+
+
+def _served(request: list, timeout: float) -> dict | None:
+    """The server's answer to ``request``, or None where the server cannot answer (then the caller
+    compiles in a fresh interpreter): started once per process, restarted once if it died."""
+    for _ in range(2):
+        if not _server or _server[0].poll() is not None:
+            env, root = _child_env()
+            _server[:] = [subprocess.Popen([sys.executable, "-m", "dsv4_attention.common.compile", "--serve"],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           text=True, env=env, cwd=root)]
+        srv = _server[0]
+        try:
+            srv.stdin.write(json.dumps([*request, timeout]) + "\n")
+            srv.stdin.flush()
+            line = srv.stdout.readline()  # the server enforces the time limit on its child
+        except (BrokenPipeError, OSError):
+            line = ""
+        if line.startswith("{"):
+            return json.loads(line)
+        srv.kill()
+    return None
+
+
+def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, timeout: float = 120.0,
+                   options: dict | None = None) -> CompileReport:
+    """Compile in a child process (forked by the compile server, or a fresh interpreter) with the
+    file cache off and a time limit."""
     options = dict(options or {})
+    if _use_server():
+        res = _served([stage_id, arch, dtype_name, head_dim, options], timeout)
+        if res is not None:
+            return CompileReport(**res)
+    env, root = _child_env()
     cmd = [sys.executable, "-m", "dsv4_attention.common.compile", stage_id, arch, dtype_name, str(head_dim),
            json.dumps(options)]
     try:
@@ -229,14 +282,64 @@ def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, tim
     return CompileReport(**json.loads(lines[-1]))
 
 
+def _report(stage_id, arch, dtype_name, hd, options) -> CompileReport:
+    try:
+        return compile_here(stage_id, arch, dtype_name, int(hd), options)
+    except Exception as e:  # noqa: BLE001 - reported to the parent as data
+        return CompileReport(stage_id, arch, dtype_name, int(hd), error=f"{type(e).__name__}: {e}", options=options)
+
+
+def serve() -> int:
+    """The compile server: one request a line on stdin ([stage, arch, dtype, head_dim, options,
+    timeout]), one CompileReport a line on stdout. Each compile runs in a child forked from this
+    process, which has imported what every compile imports and compiled nothing; the child reports
+    through a file (stdout is the protocol's), and one past ``timeout`` is killed and reported so."""
+    import importlib
+    import signal
+
+    import cutlass.cute  # noqa: F401 - imported once here, inherited by every fork
+    import torch  # noqa: F401
+
+    from dsv4_attention import stages
+
+    for st in stages.ALL_STAGES:
+        for target in getattr(st.module, "KERNELS", {}).values():
+            importlib.import_module(target.split(":")[0])
+    for line in sys.stdin:
+        stage_id, arch, dtype_name, hd, options, timeout = json.loads(line)
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        pid = os.fork()
+        if pid == 0:  # the child: stdout is the protocol's; leave without the parent's exit code
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            with open(path, "w") as out:
+                out.write(json.dumps(dataclasses.asdict(_report(stage_id, arch, dtype_name, hd, options))))
+            os._exit(0)
+        deadline = time.monotonic() + timeout
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+        with open(path) as inp:
+            text = inp.read()
+        os.unlink(path)
+        if not text.startswith("{"):
+            text = json.dumps(dataclasses.asdict(CompileReport(
+                stage_id, arch, dtype_name, int(hd), options=options,
+                error=f"compile exceeded {timeout:.0f} s" if time.monotonic() > deadline else "compile child died")))
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:
+        return serve()
     stage_id, arch, dtype_name, hd = argv[:4]
-    options = json.loads(argv[4]) if len(argv) > 4 else {}
-    try:
-        rep = compile_here(stage_id, arch, dtype_name, int(hd), options)
-    except Exception as e:  # noqa: BLE001 - reported to the parent as data
-        rep = CompileReport(stage_id, arch, dtype_name, int(hd), error=f"{type(e).__name__}: {e}", options=options)
+    rep = _report(stage_id, arch, dtype_name, hd, json.loads(argv[4]) if len(argv) > 4 else {})
     print(json.dumps(dataclasses.asdict(rep)))
     return 0 if rep.ok else 1
 
