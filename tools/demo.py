@@ -7,8 +7,8 @@ FlashMLA's sparse prefill on the same tensors where the device pack's ``flashmla
 on Hopper also a decode step from paged FP8 caches beside FlashMLA's FP8 decode;
 time (median of CUDA-event timings) and TFLOP/s. On a machine without one: compile the final
 kernel's DeepSeek-V4 configurations for sm_90a and sm_100a, one worker a core (file cache off), and
-print compile time, registers, spills, shared memory and TMEM columns, saying plainly that nothing
-ran on a GPU. The full sweep (every stage, every head dim) is ``nox -s compile_sweep``.
+print compile time, registers, stack frame (0 bytes: no spill), shared memory and TMEM columns,
+saying plainly that nothing ran on a GPU. The full sweep (every stage, every head dim) is ``nox -s compile_sweep``.
 
     python -m tools.demo            # the main job
     python -m tools.demo --sweep    # every stage at every head dim, both architectures
@@ -41,8 +41,9 @@ def dsv4_configurations() -> list:
 
 
 def _compile_one(config):
-    """Worker (a spawned process, file cache off): compile one configuration once, ptxas's resource
-    report captured (``compile_here(once=True)``), and return its CompileReport as JSON."""
+    """Worker (a spawned process, file cache off): compile one configuration once, registers and
+    the stack frame read from its cubin (``compile_here(once=True)``; the compile tests run ptxas's
+    full report), and return its CompileReport as JSON."""
     import dataclasses
     import json
 
@@ -76,10 +77,11 @@ def compile_dsv4() -> int:
     failed = spilled = 0
     for rep in reports:
         failed += not rep.ok
-        spilled += bool(rep.ok and (rep.spill_store_bytes or rep.spill_load_bytes))
+        spilled += bool(rep.ok and (rep.spill_store_bytes or rep.spill_load_bytes or rep.stack_bytes))
         print("  " + rep.row(), flush=True)
     print(f"\n{len(reports)} configurations compiled in {time.perf_counter() - t0:.0f} s ({workers} at a time), "
-          f"{failed} failed, {spilled} with spills. Compiled only: correctness and speed on sm90 are evidenced by "
+          f"{failed} failed, {spilled} with a stack frame (where spills would live). Compiled only: correctness "
+          "and speed on sm90 are evidenced by "
           "the device reports in docs/results/; no sm100 kernel has run on a GPU.")
     return 1 if failed or spilled else 0
 

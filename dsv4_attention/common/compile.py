@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -81,8 +82,10 @@ class CompileReport:
         return (
             f"{self.stage} {self.arch:5s} {self.dtype:8s} hd{self.head_dim:<3d} compile={self.seconds:5.2f}s "
             f"cpu={self.cpu_seconds if self.cpu_seconds is None else round(self.cpu_seconds, 2)}s "
-            f"regs={self.registers} spill={self.spill_store_bytes}/{self.spill_load_bytes}B "
-            f"smem={self.smem_bytes}B{tmem}{opts}"
+            f"regs={self.registers} "
+            + (f"spill={self.spill_store_bytes}/{self.spill_load_bytes}B " if self.spill_store_bytes is not None
+               else f"stack={self.stack_bytes}B ")
+            + f"smem={self.smem_bytes}B{tmem}{opts}"
         )
 
 
@@ -107,6 +110,37 @@ def parse_ptxas(text: str) -> dict:
         raise RuntimeError("no ptxas resource report found in the compiler output")
     out["warnings"] = sorted(set(re.findall(r"ptxas warning\s*:\s*(.*)", text))
                              | set(re.findall(r"ptxas info\s*:\s*(\(C7519\).*?serialized[^']*)", text)))
+    return out
+
+
+_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT = 0x11, 0x2F  # attributes of a cubin's .nv.info section
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """Registers and stack frame from a cubin's ``.nv.info`` section (what ptxas records for the
+    driver), for a compile without ptxas's printed report: ``registers`` the largest register count
+    of a function that has one (the kernel's), ``stack_bytes`` the largest frame of any function.
+    Spills live in the frame, so a frame of 0 bytes means none; a nonzero frame does not say how much
+    of it is spill (ptxas's report does). ELF64 little-endian; .nv.info holds 4-byte entries
+    (format, attribute, 2 bytes), a format-4 entry followed by as many bytes as those 2 say:
+    (symbol, value) for these two attributes."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = headers[names][4]
+    out = {"registers": 0, "stack_bytes": 0}
+    for h in headers:
+        name = cubin[strtab + h[0]:cubin.index(b"\0", strtab + h[0])]
+        if name != b".nv.info":
+            continue
+        data, i = cubin[h[4]:h[4] + h[5]], 0
+        while i + 4 <= len(data):
+            fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
+            if fmt == 4 and size == 8 and attr in (_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT):
+                value = struct.unpack_from("<I", data, i + 8)[0]
+                key = "registers" if attr == _EIATTR_REGCOUNT else "stack_bytes"
+                out[key] = max(out[key], value)
+            i += 4 + (size if fmt == 4 else 0)
     return out
 
 
@@ -167,11 +201,21 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def _artifact(value) -> bytes:
+    """A kept compile artifact's bytes: some DSL versions give the content, some the kept file's path."""
+    if isinstance(value, str) and not value.lstrip().startswith("//") and os.path.isfile(value):
+        with open(value, "rb") as f:
+            return f.read()
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
 def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
                  options: dict | None = None, once: bool = False) -> CompileReport:
     """Compile in this process (the child side of ``compile_report``): once timed, then again with
-    ptxas's resource report captured; ``once``: a single compile, timed with the report captured
-    (the demo's sweep: half the work, the time including the report's few percent)."""
+    ptxas's resource report captured (its diagnostics make that compile 35-100 % slower, so it is
+    not the one timed). ``once``: a single compile, timed, its PTX and cubin kept: registers and
+    the stack frame from the cubin (``cubin_resources``), no spill counts (a frame of 0 bytes has
+    none) and no ptxas warnings (the demo: a third of the work)."""
     import torch
 
     from dsv4_attention import stages
@@ -188,14 +232,14 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
     # builds outside cute.compile (its constructor, shared_storage); nothing here is launched
     with target_arch(arch):
         kernel = mod.make_kernel(arch, dtype, head_dim, **options)
-        t0, c0 = time.perf_counter(), _cpu_seconds()
-        if once:
-            with _CaptureStderr() as cap:
-                jit.compile_kernel(kernel, args, arch, "remarks{ptx}")
-        else:
-            jit.compile_kernel(kernel, args, arch)
-        rep.seconds = round(time.perf_counter() - t0, 3)
-        rep.cpu_seconds = round(_cpu_seconds() - c0, 3)
+        with tempfile.TemporaryDirectory() as d:
+            t0, c0 = time.perf_counter(), _cpu_seconds()
+            fn = jit.compile_kernel(kernel, args, arch, f"--keep-ptx --keep-cubin --dump-dir={d}" if once else "")
+            rep.seconds = round(time.perf_counter() - t0, 3)
+            rep.cpu_seconds = round(_cpu_seconds() - c0, 3)
+            if once:
+                rep.nested_elects = nested_elects(_artifact(fn.artifacts.PTX).decode())
+                res = cubin_resources(_artifact(fn.artifacts.CUBIN))
         rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
         tmem = getattr(kernel, "tmem_columns", None)
         rep.tmem_columns = None if tmem is None else int(tmem)
@@ -205,8 +249,8 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
             with _CaptureStderr() as cap, tempfile.TemporaryDirectory() as d:
                 ptx = jit.compile_ptx(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, d, "remarks{ptx}")
             rep.nested_elects = nested_elects(ptx)
-    res = parse_ptxas(cap.text)
-    rep.warnings = res.pop("warnings")
+            res = parse_ptxas(cap.text)
+            rep.warnings = res.pop("warnings")
     for k, v in res.items():
         setattr(rep, k, v)
     return rep

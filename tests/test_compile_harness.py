@@ -1,0 +1,79 @@
+"""The compile harness (common/compile.py). Its server: a compile forked from the server reports
+what a compile in a fresh interpreter reports (the resources ptxas printed, the shared storage,
+the PTX checks), a compile past its time limit is killed and reported as such, and a configuration
+the kernel refuses comes back as an error, never as a hang or a lost server. Its one-compile mode
+(the demo's): the registers and stack frame read from the cubin are ptxas's."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from dsv4_attention.common import compile as harness
+
+
+def _report(monkeypatch, served: bool, *args, **kw):
+    monkeypatch.setenv("DSV4_COMPILE_SERVER", "1" if served else "0")
+    return harness.compile_report(*args, **kw)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_served_compile_reports_what_a_fresh_interpreter_reports(monkeypatch, arch):
+    fresh = _report(monkeypatch, False, "b", arch, "bfloat16", 128)
+    served = _report(monkeypatch, True, "b", arch, "bfloat16", 128)
+    assert fresh.ok and served.ok, (fresh.error, served.error)
+    keep = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_bytes", "smem_bytes", "tmem_columns",
+            "warnings", "register_plan", "nested_elects")
+    assert {k: getattr(served, k) for k in keep} == {k: getattr(fresh, k) for k in keep}
+    assert served.registers > 0 and served.seconds > 0
+
+
+def test_server_kills_a_compile_past_its_limit_and_serves_the_next(monkeypatch):
+    late = _report(monkeypatch, True, "e", "sm90", "bfloat16", 512, timeout=2,
+                   options={"kv_shared": True, "pack_group": 128, "has_compressed": True})
+    assert late.error == "compile exceeded 2 s"
+    bad = _report(monkeypatch, True, "a", "sm90", "bfloat16", 100)
+    assert bad.error and "head_dim" in bad.error
+    ok = _report(monkeypatch, True, "a", "sm90", "bfloat16", 64)
+    assert ok.ok and ok.registers > 0
+
+
+ONCE = """
+import dataclasses, json, sys, torch
+from dsv4_attention import stages
+from dsv4_attention.common import compile as harness, jit
+from dsv4_attention.common.arch import target_arch
+arch, path = sys.argv[1], sys.argv[2]
+once = harness.compile_here("d2", arch, "bfloat16", 128, once=True)
+mod = stages.get("d2").module
+with target_arch(arch):
+    fn = jit.compile_kernel(mod.make_kernel(arch, torch.bfloat16, 128), mod.example_args(torch.bfloat16, 128), arch,
+                            f"--keep-cubin --dump-dir={sys.argv[3]}")
+open(path, "wb").write(harness._artifact(fn.artifacts.CUBIN))
+print(json.dumps(dataclasses.asdict(once)))
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_cubin_resources_are_ptxas_report(arch, tmp_path):
+    """The one-compile mode's registers and stack frame, read from the cubin's .nv.info, equal
+    ptxas's printed report (each compile in a fresh interpreter, file cache off). Negative control:
+    the register-count attribute renamed in the cubin's bytes, the parser finds none."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    full = harness.compile_report("d2", arch, "bfloat16", 128)
+    env = dict(os.environ, CUTE_DSL_DISABLE_FILE_CACHING="1")
+    out = subprocess.run([sys.executable, "-c", ONCE, arch, str(tmp_path / "k.cubin"), str(tmp_path)],
+                         capture_output=True, text=True, env=env, check=True)
+    once = harness.CompileReport(**json.loads(out.stdout.strip().splitlines()[-1]))
+    assert full.ok and once.ok, (full.error, once.error)
+    assert (once.registers, once.stack_bytes) == (full.registers, full.stack_bytes) and once.registers > 0
+    assert once.spill_store_bytes is None and "stack=" in once.row()
+    cubin = (tmp_path / "k.cubin").read_bytes()
+    assert harness.cubin_resources(cubin)["registers"] == full.registers
+    renamed = cubin.replace(struct.pack("<BBH", 4, 0x2F, 8), struct.pack("<BBH", 4, 0x30, 8))
+    assert renamed != cubin and harness.cubin_resources(renamed)["registers"] == 0
