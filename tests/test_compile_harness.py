@@ -50,7 +50,7 @@ mod = stages.get("d2").module
 with target_arch(arch):
     fn = jit.compile_kernel(mod.make_kernel(arch, torch.bfloat16, 128), mod.example_args(torch.bfloat16, 128), arch,
                             f"--keep-cubin --dump-dir={sys.argv[3]}")
-open(path, "wb").write(harness._artifact(fn.artifacts.CUBIN))
+open(path, "wb").write(jit.artifact_bytes(fn.artifacts.CUBIN))
 print(json.dumps(dataclasses.asdict(once)))
 """
 

@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             summary = run_tests(stage_ids, "all" if a.tests == "cp" else a.tests, log, files)
     srcs = report.sources()
     if a.tests in ("stage", "stage-only") and not stage_ids:
-        ap.error("--tests stage needs a --stage that is a stage (not calls, decode or cp)")
+        ap.error(f"--tests {a.tests} needs a --stage that is a stage (not calls, decode or cp)")
     new = {
         "device": gpu_name(),
         "arch": present_arch(),

@@ -201,14 +201,6 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _artifact(value) -> bytes:
-    """A kept compile artifact's bytes: some DSL versions give the content, some the kept file's path."""
-    if isinstance(value, str) and not value.lstrip().startswith("//") and os.path.isfile(value):
-        with open(value, "rb") as f:
-            return f.read()
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
 def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
                  options: dict | None = None, once: bool = False) -> CompileReport:
     """Compile in this process (the child side of ``compile_report``): once timed, then again with
@@ -238,8 +230,8 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
             rep.seconds = round(time.perf_counter() - t0, 3)
             rep.cpu_seconds = round(_cpu_seconds() - c0, 3)
             if once:
-                rep.nested_elects = nested_elects(_artifact(fn.artifacts.PTX).decode())
-                res = cubin_resources(_artifact(fn.artifacts.CUBIN))
+                rep.nested_elects = nested_elects(jit.artifact_bytes(fn.artifacts.PTX).decode())
+                res = cubin_resources(jit.artifact_bytes(fn.artifacts.CUBIN))
         rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
         tmem = getattr(kernel, "tmem_columns", None)
         rep.tmem_columns = None if tmem is None else int(tmem)

@@ -26,6 +26,7 @@ and the DSL version; a stale entry is never served).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -137,12 +138,16 @@ def compile_ptx(kernel, args, arch: str, dump_dir, extra_options: str = "") -> s
     the instructions the DSL emitted. Some DSL versions give the artifact as bytes, some as the
     path of the kept file; both are read here."""
     fn = compile_kernel(kernel, args, arch, f"{extra_options} --keep-ptx --dump-dir={dump_dir}".strip())
-    ptx = fn.artifacts.PTX
-    ptx = ptx if isinstance(ptx, str) else ptx.decode()
-    if not ptx.lstrip().startswith("//") and ptx.endswith(".ptx"):
-        with open(ptx) as f:
-            ptx = f.read()
-    return ptx
+    return artifact_bytes(fn.artifacts.PTX).decode()
+
+
+def artifact_bytes(value) -> bytes:
+    """A kept compile artifact (``fn.artifacts.PTX`` / ``.CUBIN``) as bytes: some DSL versions give
+    the content, some the kept file's path."""
+    if isinstance(value, str) and not value.lstrip().startswith("//") and os.path.isfile(value):
+        with open(value, "rb") as f:
+            return f.read()
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def cached(key, build):
