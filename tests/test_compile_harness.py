@@ -1,13 +1,17 @@
 """The compile harness (common/compile.py). Its server: a compile forked from the server reports
 what a compile in a fresh interpreter reports (the resources ptxas printed, the shared storage,
 the PTX checks), a compile past its time limit is killed and reported as such, and a configuration
-the kernel refuses comes back as an error, never as a hang or a lost server. Its one-compile mode
-(the demo's): the registers and stack frame read from the cubin are ptxas's."""
+the kernel refuses comes back as an error, never as a hang or a lost server. Its plain mode
+(``once``, the demo's): the registers and stack frame read from the cubin are ptxas's. The budget's
+time: the compile with ptxas's report bounds the plain one's, which is timed only where the bound
+misses."""
 
 from __future__ import annotations
 
 import struct
 
+import cutlass
+import cutlass.cute as cute
 import pytest
 
 from dsv4_attention.common import compile as harness
@@ -77,3 +81,70 @@ def test_cubin_resources_are_ptxas_report(arch, tmp_path):
     assert harness.cubin_resources(cubin)["registers"] == full.registers
     renamed = cubin.replace(struct.pack("<BBH", 4, 0x2F, 8), struct.pack("<BBH", 4, 0x30, 8))
     assert renamed != cubin and harness.cubin_resources(renamed)["registers"] == 0
+
+
+def test_budget_times_a_plain_compile_only_where_the_bound_misses(monkeypatch):
+    """``assert_within_budget`` takes the time of the compile that printed ptxas's report (an upper
+    bound of the plain compile's); only where that bound misses the budget does it time a plain
+    compile (``once``), whose time then decides. Negative control: a plain compile over the budget
+    fails the test."""
+    calls = []
+
+    def fake(stage_id, arch, dtype_name, head_dim, timeout=120.0, options=None, once=False):
+        calls.append(once)
+        bound = harness.COMPILE_BUDGET_S + 5 if head_dim == 512 else 3.0
+        plain = 25.0 if head_dim == 512 else 1.0
+        if head_dim == 384:
+            bound, plain = harness.COMPILE_BUDGET_S + 9, harness.COMPILE_BUDGET_S + 1
+        return harness.CompileReport(stage_id, arch, dtype_name, head_dim, seconds=plain if once else bound,
+                                     cpu_seconds=plain if once else bound, registers=128, spill_store_bytes=0,
+                                     spill_load_bytes=0, stack_bytes=0, smem_bytes=1024, timed_with_report=not once)
+
+    monkeypatch.setattr(harness, "compile_report", fake)
+    assert harness.assert_within_budget("a", "sm90", "bfloat16", 128).timed_with_report and calls == [False]
+    calls.clear()
+    rep = harness.assert_within_budget("a", "sm90", "bfloat16", 512)
+    assert calls == [False, True] and rep.seconds == 25.0 and not rep.timed_with_report and "compile=" in rep.row()
+    with pytest.raises(AssertionError):
+        harness.assert_within_budget("a", "sm90", "bfloat16", 384)
+
+
+
+class _SetMaxNReg:
+    """A warpgroup raises its registers, the other lowers them (setmaxnreg). Without launch bounds
+    ptxas cannot know the registers a thread starts with and ignores both (remark C7508)."""
+
+    def __init__(self, bounded: bool):
+        self.bounded = bounded
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, stream):
+        if cutlass.const_expr(self.bounded):
+            self.kernel(x).launch(grid=[1, 1, 1], block=[256, 1, 1], stream=stream, min_blocks_per_mp=1)
+        else:
+            self.kernel(x).launch(grid=[1, 1, 1], block=[256, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx // 128 == 0:
+            cute.arch.setmaxregister_increase(232)
+        else:
+            cute.arch.setmaxregister_decrease(40)
+        x[tidx] = cutlass.Float32(1.0)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_the_one_compile_reads_ptxas_remarks(bounded):
+    """The budget's one compile (``timed_compile``) reads ptxas's coded remarks, which ptxas prints as
+    info lines: setmaxnreg without launch bounds is ignored (C7508) and fails ``assert_within_budget``;
+    the same kernel with them (the control) has no remark."""
+    import torch
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import target_arch
+
+    with target_arch("sm90"):
+        res = harness.timed_compile(_SetMaxNReg(bounded), [torch.zeros(256), jit.STREAM], "sm90")
+    assert res["registers"] > 0 and res["seconds"] > 0
+    assert any("C7508" in w for w in res["warnings"]) != bounded, res["warnings"]

@@ -147,7 +147,7 @@ DYNAMIC = """
 import json, pathlib, sys
 from dsv4_attention.common.compile import compile_here
 rep = compile_here("e", "sm90", "bfloat16", 512, {"kv_shared": True, "pack_group": 128, "has_compressed": True,
-                                                  "has_topk": True, "index_mode": True})
+                                                  "has_topk": True, "index_mode": True}, once=True)
 root = pathlib.Path(sys.argv[1])
 paths = [pathlib.Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
 from dsv4_attention.common import scope  # after the compile: names the files as a report does

@@ -5,9 +5,14 @@ with CuTeDSL's file cache off and a hard time limit (a compile that hangs, as
 the origin's head-dim-512 kernel did for hours, fails instead of hanging the
 suite), and returns what the compiler made:
 
-- ``seconds``: wall time of ``cute.compile`` (trace + MLIR + ptxas), file cache off;
+- ``seconds``: wall time of ``cute.compile`` (trace + MLIR + ptxas), file cache off. The
+  budget tests' compile prints ptxas's report (``remarks{ptx}``), whose diagnostics only add work
+  (35-100 % more than the plain compile a user waits for): its time is an upper bound of the plain
+  one's (``timed_with_report``), and ``assert_within_budget`` times a plain compile only where
+  the bound misses the budget. One compile instead of a plain one and a second with the report:
+  CI's ~190 compile tests each did both;
 - ``registers``, ``spill_store_bytes``, ``spill_load_bytes``, ``stack_bytes``: from
-  ptxas's own report (a second compile with ``remarks{ptx}``, which prints it);
+  ptxas's own report (or, in the one plain compile of ``once``, from the cubin);
 - ``smem_bytes``: the kernel's shared-storage struct (dynamic SMEM is not in the cubin);
 - ``tmem_columns`` (sm100): the column count the kernel passes to its TMEM allocation;
 - ``warnings``: ptxas warnings (C7508 = setmaxnreg ignored, and others), and its C7519 remark
@@ -15,8 +20,8 @@ suite), and returns what the compiler made:
   before the next issues; the persistent seesaw's first build ran 27 % slower on the H200 with it).
 - ``nested_elects``: PTX lines of an ``elect.sync`` inside another's one-lane region (a hang).
 
-Run directly: ``python -m common.compile STAGE ARCH DTYPE HEAD_DIM [OPTIONS_JSON]`` prints one
-JSON line (OPTIONS_JSON: the kernel's keyword options, e.g. '{"kv_shared": true}').
+Run directly: ``python -m common.compile STAGE ARCH DTYPE HEAD_DIM [OPTIONS_JSON] [--once]`` prints
+one JSON line (OPTIONS_JSON: the kernel's keyword options, e.g. '{"kv_shared": true}').
 
 Without a GPU, ``compile_report`` hands its compiles to a **compile server**, one child per
 calling process (``--serve``) that imports torch, the DSL and every stage's kernel modules once
@@ -69,6 +74,7 @@ class CompileReport:
     options: dict = dataclasses.field(default_factory=dict)  # the kernel's compile-time keyword options
     register_plan: list | None = None  # [(threads, setmaxnreg target), ...] per role; None: setmaxnreg unused
     nested_elects: list = dataclasses.field(default_factory=list)  # PTX lines (``nested_elects``); [] = none
+    timed_with_report: bool = False  # ``seconds`` of the compile that printed ptxas's report: an upper bound
 
     @property
     def ok(self) -> bool:
@@ -80,7 +86,8 @@ class CompileReport:
         opts = "".join(f" {k}={v}" for k, v in sorted(self.options.items()))
         tmem = f" tmem={self.tmem_columns}cols" if self.tmem_columns is not None else ""
         return (
-            f"{self.stage} {self.arch:5s} {self.dtype:8s} hd{self.head_dim:<3d} compile={self.seconds:5.2f}s "
+            f"{self.stage} {self.arch:5s} {self.dtype:8s} hd{self.head_dim:<3d} "
+            f"compile{'<=' if self.timed_with_report else '='}{self.seconds:5.2f}s "
             f"cpu={self.cpu_seconds if self.cpu_seconds is None else round(self.cpu_seconds, 2)}s "
             f"regs={self.registers} "
             + (f"spill={self.spill_store_bytes}/{self.spill_load_bytes}B " if self.spill_store_bytes is not None
@@ -108,8 +115,10 @@ def parse_ptxas(text: str) -> dict:
         out["registers"] = max(out["registers"], regs)
     if not found:
         raise RuntimeError("no ptxas resource report found in the compiler output")
+    # ptxas's warnings, and its coded remarks, which it prints as info lines: (C7508) setmaxnreg
+    # ignored, (C7519) wgmma serialized, ...
     out["warnings"] = sorted(set(re.findall(r"ptxas warning\s*:\s*(.*)", text))
-                             | set(re.findall(r"ptxas info\s*:\s*(\(C7519\).*?serialized[^']*)", text)))
+                             | set(re.findall(r"ptxas info\s*:\s*(\(C\d+\)[^\n']*)", text)))
     return out
 
 
@@ -177,17 +186,21 @@ def nested_elects(ptx: str) -> list:
 
 
 class _CaptureStderr:
-    """Capture file descriptor 2 (ptxas remarks are printed by native code)."""
+    """Capture standard error: file descriptor 2 (native code writes there) and ``sys.stderr``
+    (the DSL prints ptxas's report through it; under pytest that is not descriptor 2)."""
 
     def __enter__(self):
         self._file = tempfile.TemporaryFile(mode="w+b")
         sys.stderr.flush()
         self._saved = os.dup(2)
         os.dup2(self._file.fileno(), 2)
+        self._py, sys.stderr = sys.stderr, open(self._file.fileno(), "w", closefd=False)  # noqa: SIM115
         return self
 
     def __exit__(self, *exc):
         sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = self._py
         os.dup2(self._saved, 2)
         os.close(self._saved)
         self._file.seek(0)
@@ -201,48 +214,58 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def timed_compile(kernel, args, arch: str, once: bool = False) -> dict:
+    """One compile of ``kernel`` against ``args`` (``jit.compile_kernel``), timed, its PTX kept:
+    ``seconds``, ``cpu_seconds``, ``nested_elects`` and, by default, what ptxas's report says
+    (``parse_ptxas``: registers, frame, spills, ``warnings``), read from file descriptor 2 while
+    the compile prints it; ``once``: a plain compile, registers and frame from its cubin."""
+    import contextlib
+
+    from dsv4_attention.common import jit
+
+    flags = "--keep-ptx --keep-cubin" if once else "remarks{ptx} --keep-ptx"
+    with tempfile.TemporaryDirectory() as d, (contextlib.nullcontext() if once else _CaptureStderr()) as cap:
+        t0, c0 = time.perf_counter(), _cpu_seconds()
+        fn = jit.compile_kernel(kernel, args, arch, f"{flags} --dump-dir={d}")
+        out = {"seconds": round(time.perf_counter() - t0, 3), "cpu_seconds": round(_cpu_seconds() - c0, 3),
+               "nested_elects": nested_elects(jit.artifact_bytes(fn.artifacts.PTX).decode())}
+        if once:
+            out.update(cubin_resources(jit.artifact_bytes(fn.artifacts.CUBIN)))
+    if not once:
+        out.update(parse_ptxas(cap.text))
+    return out
+
+
 def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
                  options: dict | None = None, once: bool = False) -> CompileReport:
-    """Compile in this process (the child side of ``compile_report``): once timed, then again with
-    ptxas's resource report captured (its diagnostics make that compile 35-100 % slower, so it is
-    not the one timed). ``once``: a single compile, timed, its PTX and cubin kept: registers and
-    the stack frame from the cubin (``cubin_resources``), no spill counts (a frame of 0 bytes has
-    none) and no ptxas warnings (the demo: a third of the work)."""
+    """Compile in this process (the child side of ``compile_report``), once, timed, the PTX kept.
+    By default the compile prints ptxas's report (``remarks{ptx}``: registers, stack frame, spills,
+    its warnings), captured from file descriptor 2; its time is an upper bound of a plain compile's
+    (``timed_with_report``). ``once``: a plain compile, its cubin kept: registers and the stack
+    frame from the cubin (``cubin_resources``), no spill counts (a frame of 0 bytes has none) and
+    no ptxas warnings (the demo's, and the plain time ``assert_within_budget`` asks for where the
+    bound misses the budget)."""
     import torch
 
     from dsv4_attention import stages
-    from dsv4_attention.common import jit
     from dsv4_attention.common.arch import target_arch
 
     dtype = getattr(torch, dtype_name)
     mod = stages.get(stage_id).module
     options = dict(options or {})
-    rep = CompileReport(stage_id, arch, dtype_name, head_dim, options=options)
+    rep = CompileReport(stage_id, arch, dtype_name, head_dim, options=options, timed_with_report=not once)
     args = mod.example_args(dtype, head_dim, **options)
 
     # the target is this call's arch, not the GPU's or CUTE_DSL_ARCH's, also for what the kernel
     # builds outside cute.compile (its constructor, shared_storage); nothing here is launched
     with target_arch(arch):
         kernel = mod.make_kernel(arch, dtype, head_dim, **options)
-        with tempfile.TemporaryDirectory() as d:
-            t0, c0 = time.perf_counter(), _cpu_seconds()
-            fn = jit.compile_kernel(kernel, args, arch, f"--keep-ptx --keep-cubin --dump-dir={d}" if once else "")
-            rep.seconds = round(time.perf_counter() - t0, 3)
-            rep.cpu_seconds = round(_cpu_seconds() - c0, 3)
-            if once:
-                rep.nested_elects = nested_elects(jit.artifact_bytes(fn.artifacts.PTX).decode())
-                res = cubin_resources(jit.artifact_bytes(fn.artifacts.CUBIN))
+        res = timed_compile(kernel, args, arch, once)
         rep.smem_bytes = int(kernel.shared_storage.size_in_bytes())
         tmem = getattr(kernel, "tmem_columns", None)
         rep.tmem_columns = None if tmem is None else int(tmem)
         plan = getattr(kernel, "register_plan", None)
         rep.register_plan = None if plan is None else plan()
-        if not once:
-            with _CaptureStderr() as cap, tempfile.TemporaryDirectory() as d:
-                ptx = jit.compile_ptx(mod.make_kernel(arch, dtype, head_dim, **options), args, arch, d, "remarks{ptx}")
-            rep.nested_elects = nested_elects(ptx)
-            res = parse_ptxas(cap.text)
-            rep.warnings = res.pop("warnings")
     for k, v in res.items():
         setattr(rep, k, v)
     return rep
@@ -294,17 +317,17 @@ def _served(request: list, timeout: float) -> dict | None:
 
 
 def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, timeout: float = 120.0,
-                   options: dict | None = None) -> CompileReport:
+                   options: dict | None = None, once: bool = False) -> CompileReport:
     """Compile in a child process (forked by the compile server, or a fresh interpreter) with the
-    file cache off and a time limit."""
+    file cache off and a time limit (``compile_here`` says what ``once`` changes)."""
     options = dict(options or {})
     if _use_server():
-        res = _served([stage_id, arch, dtype_name, head_dim, options], timeout)
+        res = _served([stage_id, arch, dtype_name, head_dim, options, once], timeout)
         if res is not None:
             return CompileReport(**res)
     env, root = _child_env()
     cmd = [sys.executable, "-m", "dsv4_attention.common.compile", stage_id, arch, dtype_name, str(head_dim),
-           json.dumps(options)]
+           json.dumps(options)] + (["--once"] if once else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     except subprocess.TimeoutExpired:
@@ -318,15 +341,15 @@ def compile_report(stage_id: str, arch: str, dtype_name: str, head_dim: int, tim
     return CompileReport(**json.loads(lines[-1]))
 
 
-def _report(stage_id, arch, dtype_name, hd, options) -> CompileReport:
+def _report(stage_id, arch, dtype_name, hd, options, once=False) -> CompileReport:
     try:
-        return compile_here(stage_id, arch, dtype_name, int(hd), options)
+        return compile_here(stage_id, arch, dtype_name, int(hd), options, once)
     except Exception as e:  # noqa: BLE001 - reported to the parent as data
         return CompileReport(stage_id, arch, dtype_name, int(hd), error=f"{type(e).__name__}: {e}", options=options)
 
 
 def serve() -> int:
-    """The compile server: one request a line on stdin ([stage, arch, dtype, head_dim, options,
+    """The compile server: one request a line on stdin ([stage, arch, dtype, head_dim, options, once,
     timeout]), one CompileReport a line on stdout. Each compile runs in a child forked from this
     process, which has imported what every compile imports and compiled nothing; the child reports
     through a file (stdout is the protocol's), and one past ``timeout`` is killed and reported so."""
@@ -342,14 +365,14 @@ def serve() -> int:
         for target in getattr(st.module, "KERNELS", {}).values():
             importlib.import_module(target.split(":")[0])
     for line in sys.stdin:
-        stage_id, arch, dtype_name, hd, options, timeout = json.loads(line)
+        stage_id, arch, dtype_name, hd, options, once, timeout = json.loads(line)
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
         pid = os.fork()
         if pid == 0:  # the child: stdout is the protocol's; leave without the parent's exit code
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             with open(path, "w") as out:
-                out.write(json.dumps(dataclasses.asdict(_report(stage_id, arch, dtype_name, hd, options))))
+                out.write(json.dumps(dataclasses.asdict(_report(stage_id, arch, dtype_name, hd, options, once))))
             os._exit(0)
         deadline = time.monotonic() + timeout
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
@@ -375,7 +398,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--serve"]:
         return serve()
     stage_id, arch, dtype_name, hd = argv[:4]
-    rep = _report(stage_id, arch, dtype_name, hd, json.loads(argv[4]) if len(argv) > 4 else {})
+    once = "--once" in argv
+    argv = [a for a in argv if a != "--once"]
+    rep = _report(stage_id, arch, dtype_name, hd, json.loads(argv[4]) if len(argv) > 4 else {}, once)
     print(json.dumps(dataclasses.asdict(rep)))
     return 0 if rep.ok else 1
 
@@ -412,9 +437,17 @@ def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: in
     no ignored setmaxnreg (C7508), a setmaxnreg split the launch's registers hold
     (``register_split_error``), no serialized wgmma (C7519), and on sm100 a power-of-two TMEM allocation of at least
     ``min_tmem_columns`` and at most 512 columns, and no ``elect.sync`` nested in another's region
-    (``nested_elects``: a hang). Returns the report."""
+    (``nested_elects``: a hang). The time is that of the compile with ptxas's report, an upper bound
+    of the plain compile's; where it misses a budget, a plain compile is timed and decides. Returns
+    the report."""
     rep = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options)
     assert rep.ok, rep.error
+    if rep.seconds >= COMPILE_BUDGET_S or rep.cpu_seconds >= COMPILE_CPU_BUDGET_S:
+        plain = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options,
+                               once=True)
+        assert plain.ok, plain.error
+        print(rep.row())
+        rep.seconds, rep.cpu_seconds, rep.timed_with_report = plain.seconds, plain.cpu_seconds, False
     print(rep.row())
     assert rep.seconds < COMPILE_BUDGET_S, rep.row()
     assert rep.cpu_seconds < COMPILE_CPU_BUDGET_S, rep.row()

@@ -132,8 +132,14 @@ def _tree(path: pathlib.Path) -> ast.Module:
 
 
 def edges(path: pathlib.Path, root: pathlib.Path) -> tuple:
-    """(imported files, kernel-string files, registry files) of one file."""
-    tree = _tree(path)
+    """(imported files, kernel-string files, registry files) of one file (found once per version of
+    the file: a status render asks for ~250 scopes, each walking the same files)."""
+    return _edges(path, root, path.stat().st_mtime_ns)
+
+
+@functools.cache
+def _edges(path: pathlib.Path, root: pathlib.Path, stamp: int) -> tuple:
+    tree = _parsed(path, stamp)
     imports = import_targets([n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], path, root)
     strings = []
     for n in ast.walk(tree):
@@ -241,9 +247,18 @@ def bench_imports(group: str, root: pathlib.Path = ROOT) -> list:
 
 def scope(group: str, kind: str = "tests", root: pathlib.Path = ROOT) -> list:
     """The source files (repo-relative, sorted) that the ``kind`` ("tests" or "bench") evidence of
-    ``group`` (a stage id, or a group of no stage: the whole tree) depends on."""
+    ``group`` (a stage id, or a group of no stage: the whole tree) depends on. Found once per
+    version of the tree's Python files (a status render asks ~250 times)."""
+    root = pathlib.Path(root)
+    files = (f for d in (PACKAGE, "tests", "tools") for f in sorted((root / d).rglob("*.py")))
+    stamps = tuple((str(f), f.stat().st_mtime_ns) for f in files if "__pycache__" not in f.parts)
+    return list(_scope(group, kind, root, stamps))
+
+
+@functools.cache
+def _scope(group: str, kind: str, root: pathlib.Path, stamps: tuple) -> tuple:
     if group in WHOLE_TREE:
-        return all_sources(root)
+        return tuple(all_sources(root))
     folder = stage_folder(group, root)
     seeds = {p: NORMAL for p in sorted(folder.glob("*.py"))}
     if kind == "tests":
@@ -257,7 +272,7 @@ def scope(group: str, kind: str = "tests", root: pathlib.Path = ROOT) -> list:
     else:
         raise ValueError(f"kind must be 'tests' or 'bench'; got {kind!r}")
     inside = set(all_sources(root))
-    return sorted(f for f in closure(seeds, root) if f in inside)
+    return tuple(sorted(f for f in closure(seeds, root) if f in inside))
 
 
 def stage_ids(root: pathlib.Path = ROOT) -> list:
