@@ -12,6 +12,7 @@ from dsv4_attention.common.testing import (
     check_varlen,
     fresh_generator,
     gpu_arch_params,
+    poison_,
     sanitizer_test,
     varlen_inputs,
 )
@@ -110,6 +111,21 @@ def test_varlen_batches(arch, head_dim, group, requests, record_errors):
     q, k, v, cu_q, cu_k, g = varlen_inputs(q_lens, k_lens, 2 * group, 2, head_dim, torch.bfloat16,
                                            kv_shared=head_dim == 512, pad=5)
     check_varlen(stage.forward, q, k, v, cu_q, cu_k, record_errors, g, arch=arch)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("q_lens", [[0], [0, 0, 0]], ids=["one", "three"])
+def test_requests_without_query_rows(arch, q_lens):
+    """Requests without a query row (keys present): nothing to launch, where a grid of 0 CTAs was
+    a launch error (test_varlen_batches drew one such request on the H200, 2026-11-29); the packed
+    buffer's rows, past every request, are never written."""
+    q, k, v, cu_q, cu_k, _ = varlen_inputs(q_lens, [300] * len(q_lens), 16, 2, 512, torch.bfloat16, kv_shared=True,
+                                           pad=5)
+    o = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(16, q.shape[0], dtype=torch.float32, device=q.device))
+    stage.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=o, lse_out=lse)
+    torch.cuda.synchronize()
+    assert o.shape[0] == 5 and bool(o.isnan().all()) and bool(lse.isnan().all())
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

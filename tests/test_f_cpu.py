@@ -339,3 +339,26 @@ def test_deterministic_turns_cannot_deadlock(resident):
 
         assert simulate_turns(sq, sk, left, right, group, resident, kernel_turn)
         assert not simulate_turns(sq, sk, left, right, group, 1, lambda n, m, v: max(v) - n)
+
+
+@pytest.mark.parametrize("lens", [([0, 0], [10, 6]), ([3, 5], [0, 0]), ([3, 5], [10, 6])],
+                         ids=["no-query-rows", "no-keys", "control"])
+def test_varlen_backward_without_rows_or_keys_launches_nothing(monkeypatch, lens):
+    """A variable-length batch without a query row (or without a key) in any request has nothing to
+    differentiate: the kernel's grid (KV tiles of the longest request) could be 0 CTAs, a launch
+    error. Every gradient is 0, nothing launches. Control: rows and keys launch once. (The kernel is
+    a recorder; sm90 is taken for CPU tensors.)"""
+    from dsv4_attention.common import jit
+
+    calls = []
+    monkeypatch.setattr(stage, "arch_of_device", lambda device: "sm90")
+    monkeypatch.setattr(jit, "launch", lambda *a, **k: calls.append(a))
+    q_lens, k_lens = lens
+    cu_q = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, k_lens[0], sum(k_lens)], dtype=torch.int32)
+    q, k, v = torch.randn(8, 4, 128).bfloat16(), torch.randn(16, 2, 128).bfloat16(), torch.randn(16, 2, 128).bfloat16()
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.zeros(4, 8)
+    dq, dk, dv = stage.backward(q, k, v, o, lse, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert len(calls) == (1 if all(map(sum, lens)) else 0)
+    if not all(map(sum, lens)):
+        assert not dq.any() and not dk.any() and not dv.any()

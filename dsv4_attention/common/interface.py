@@ -283,6 +283,10 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     if k.shape[1] == 0:
         no_keys(o4, lse4)
         return result
+    if varlen_offsets is not None and varlen_offsets.max_seqlen_q == 0:
+        # no request has a query row: no row to write and nothing to launch (a grid of 0 CTAs is a
+        # launch error, which a batch of one request without queries met on the H200, 2026-11-29)
+        return result
     if call.partials is not None and split_into is None:  # slots of the plan, allocated afresh by each planned call
         plan_tensors.extend(call.partials)
     launch(stage_id, kernels, arch, q, k, v, o4, lse4, scale, dict(call.options), call.tail,

@@ -180,7 +180,11 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
             float(scale * LOG2E), float(scale), _clamp(left, limit), _clamp(right, limit), jit.STREAM]
     options = {"has_left": left is not None, "has_right": right is not None, "deterministic": bool(deterministic),
                "has_seqused": seqused_k is not None, "varlen": varlen}
-    jit.launch(ID, KERNELS, arch, q.dtype, d, args, options)
+    if max_q and max_k:
+        jit.launch(ID, KERNELS, arch, q.dtype, d, args, options)
+    else:  # (varlen) no request with a query row or a key: every gradient 0, nothing to launch (0 CTAs)
+        dk.zero_()
+        dv.zero_()
     dq = dq_acc[:, q_rows].to(q.dtype)
     if varlen:
         dq = dq[0]
