@@ -438,11 +438,17 @@ def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: in
     (``register_split_error``), no serialized wgmma (C7519), and on sm100 a power-of-two TMEM allocation of at least
     ``min_tmem_columns`` and at most 512 columns, and no ``elect.sync`` nested in another's region
     (``nested_elects``: a hang). The time is that of the compile with ptxas's report, an upper bound
-    of the plain compile's; where it misses a budget, a plain compile is timed and decides. Returns
-    the report."""
+    of the plain compile's; where it misses a budget, a plain compile is timed and decides (twice at
+    most, where the first missed on wall time alone). Returns the report."""
     rep = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options)
     assert rep.ok, rep.error
-    if rep.seconds >= COMPILE_BUDGET_S or rep.cpu_seconds >= COMPILE_CPU_BUDGET_S:
+    # where the bound misses, a plain compile decides; one whose wall time alone misses (its CPU time
+    # within budget: the machine was busy, as CI's two workers on two cores are) is timed once more
+    for _ in range(2):
+        if rep.seconds < COMPILE_BUDGET_S and rep.cpu_seconds < COMPILE_CPU_BUDGET_S:
+            break
+        if rep.cpu_seconds >= COMPILE_CPU_BUDGET_S and not rep.timed_with_report:
+            break
         plain = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options,
                                once=True)
         assert plain.ok, plain.error
