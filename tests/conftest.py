@@ -64,6 +64,21 @@ def _gpu_memory_turns(request):
 
 
 @pytest.fixture
+def recorded_launches(monkeypatch):
+    """A stage's compiled function replaced by a recorder: the list of the argument tuples each
+    launch would have handed the kernel; sm90 taken for CPU tensors, the call plans cleared before
+    and after (host tests of what a call launches, and whether it launches)."""
+    from dsv4_attention.common import call_plan, interface, jit
+
+    calls = []
+    monkeypatch.setattr(interface, "arch_of_device", lambda device: "sm90")
+    monkeypatch.setattr(jit, "stage_kernel", lambda *a, **k: (lambda *args: calls.append(args)))
+    call_plan.clear()
+    yield calls
+    call_plan.clear()
+
+
+@pytest.fixture
 def record_errors(request):
     """record_errors(errors_obj, **case): keep a GPU test's error metrics for the report."""
 

@@ -9,19 +9,14 @@ import pytest
 import torch
 
 import dsv4_attention
-from dsv4_attention.common import call_plan, interface, jit, seams, split_kv
+from dsv4_attention.common import call_plan, interface, seams, split_kv
 from dsv4_attention.stages import c_online_softmax, d1_smem_p, e_fused
 
 
 @pytest.fixture
-def kernel(monkeypatch):
-    """The compiled function replaced by a recorder of its arguments; sm90 taken for CPU tensors."""
-    calls = []
-    monkeypatch.setattr(interface, "arch_of_device", lambda device: "sm90")
-    monkeypatch.setattr(jit, "stage_kernel", lambda *a, **k: (lambda *args: calls.append(args)))
-    call_plan.clear()
-    yield calls
-    call_plan.clear()
+def kernel(recorded_launches):
+    """The compiled function as a recorder of its arguments (conftest's ``recorded_launches``)."""
+    return recorded_launches
 
 
 def bshd(b, s, h, d, offset=0):

@@ -15,9 +15,10 @@ suite), and returns what the compiler made:
   ptxas's own report (or, in the one plain compile of ``once``, from the cubin);
 - ``smem_bytes``: the kernel's shared-storage struct (dynamic SMEM is not in the cubin);
 - ``tmem_columns`` (sm100): the column count the kernel passes to its TMEM allocation;
-- ``warnings``: ptxas warnings (C7508 = setmaxnreg ignored, and others), and its C7519 remark
-  (an info line: "wgmma.mma_async instructions are serialized", every wgmma then waited for
-  before the next issues; the persistent seesaw's first build ran 27 % slower on the H200 with it).
+- ``warnings``: ptxas warnings and its coded remarks, which it prints as info lines: C7508
+  (setmaxnreg ignored) and C7519 ("wgmma.mma_async instructions are serialized": every wgmma
+  waited for before the next issues; the persistent seesaw's first build ran 27 % slower on the
+  H200 with it), and others.
 - ``nested_elects``: PTX lines of an ``elect.sync`` inside another's one-lane region (a hang).
 
 Run directly: ``python -m common.compile STAGE ARCH DTYPE HEAD_DIM [OPTIONS_JSON] [--once]`` prints
@@ -217,7 +218,7 @@ def _cpu_seconds() -> float:
 def timed_compile(kernel, args, arch: str, once: bool = False) -> dict:
     """One compile of ``kernel`` against ``args`` (``jit.compile_kernel``), timed, its PTX kept:
     ``seconds``, ``cpu_seconds``, ``nested_elects`` and, by default, what ptxas's report says
-    (``parse_ptxas``: registers, frame, spills, ``warnings``), read from file descriptor 2 while
+    (``parse_ptxas``: registers, frame, spills, ``warnings``), captured from standard error while
     the compile prints it; ``once``: a plain compile, registers and frame from its cubin."""
     import contextlib
 
@@ -240,7 +241,7 @@ def compile_here(stage_id: str, arch: str, dtype_name: str, head_dim: int,
                  options: dict | None = None, once: bool = False) -> CompileReport:
     """Compile in this process (the child side of ``compile_report``), once, timed, the PTX kept.
     By default the compile prints ptxas's report (``remarks{ptx}``: registers, stack frame, spills,
-    its warnings), captured from file descriptor 2; its time is an upper bound of a plain compile's
+    its remarks), captured from standard error; its time is an upper bound of a plain compile's
     (``timed_with_report``). ``once``: a plain compile, its cubin kept: registers and the stack
     frame from the cubin (``cubin_resources``), no spill counts (a frame of 0 bytes has none) and
     no ptxas warnings (the demo's, and the plain time ``assert_within_budget`` asks for where the
@@ -442,18 +443,19 @@ def assert_within_budget(stage_id: str, arch: str, dtype_name: str, head_dim: in
     most, where the first missed on wall time alone). Returns the report."""
     rep = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options)
     assert rep.ok, rep.error
-    # where the bound misses, a plain compile decides; one whose wall time alone misses (its CPU time
-    # within budget: the machine was busy, as CI's two workers on two cores are) is timed once more
-    for _ in range(2):
-        if rep.seconds < COMPILE_BUDGET_S and rep.cpu_seconds < COMPILE_CPU_BUDGET_S:
-            break
-        if rep.cpu_seconds >= COMPILE_CPU_BUDGET_S and not rep.timed_with_report:
-            break
+    def within(r):
+        return r.seconds < COMPILE_BUDGET_S and r.cpu_seconds < COMPILE_CPU_BUDGET_S
+
+    # where the bound misses, a plain compile decides; once more where that one missed on wall time
+    # alone (its CPU time within budget: a busy machine, as CI's two workers on two cores are)
+    for _ in range(0 if within(rep) else 2):
+        print(rep.row())
         plain = compile_report(stage_id, arch, dtype_name, head_dim, timeout=4 * COMPILE_BUDGET_S, options=options,
                                once=True)
         assert plain.ok, plain.error
-        print(rep.row())
         rep.seconds, rep.cpu_seconds, rep.timed_with_report = plain.seconds, plain.cpu_seconds, False
+        if within(rep) or rep.cpu_seconds >= COMPILE_CPU_BUDGET_S:
+            break
     print(rep.row())
     assert rep.seconds < COMPILE_BUDGET_S, rep.row()
     assert rep.cpu_seconds < COMPILE_CPU_BUDGET_S, rep.row()
