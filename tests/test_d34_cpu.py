@@ -3,6 +3,7 @@ windows) before anything launches, and the span arithmetic of common/kv_span.py 
 plain visibility formula and the reference's mask. (The sm100 kernels' budgets and mask proofs
 are in tests/test_d34_sm100_host.py.)"""
 
+import math
 import random
 
 import cutlass
@@ -198,3 +199,37 @@ def test_requests_without_query_rows_launch_nothing(recorded_launches, q_lens):
     assert len(recorded_launches) == (1 if sum(q_lens) else 0)
     if not sum(q_lens):
         assert bool(o.isnan().all()) and bool(lse.isnan().all())
+
+
+def no_key_row_errors(o, lse, rows: int) -> list:
+    """What is wrong with a no-key variable-length result whose requests hold ``rows`` rows: a
+    request's row not O = 0 / LSE = -inf, or a row past the last request written (still NaN)."""
+    bad = []
+    if not (bool((o[:rows] == 0).all()) and bool((lse[:, :rows] == -math.inf).all())):
+        bad.append("a request's row is not O = 0, LSE = -inf")
+    if not (bool(o[rows:].isnan().all()) and bool(lse[:, rows:].isnan().all())):
+        bad.append("a row past the last request was written")
+    return bad
+
+
+@pytest.mark.stage_d3
+def test_no_key_varlen_call_writes_only_the_requests_rows(recorded_launches):
+    """A variable-length call with no key at all (k of 0 rows) is decided without a launch: each
+    request's rows get O = 0, LSE = -inf, and rows past the last request are left as they are, as
+    the kernel leaves them. Negative control: the batched call's fill (every row) is rejected."""
+    from dsv4_attention.common import interface
+
+    pad = 4
+    cu_q = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    cu_k = torch.zeros(4, dtype=torch.int32)
+    q = torch.randn(5 + pad, 16, 128, dtype=torch.bfloat16)
+    k = torch.randn(0, 2, 128, dtype=torch.bfloat16)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((16, q.shape[0]), float("nan"))
+    d3_lengths.forward(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=o, lse_out=lse)
+    assert not recorded_launches
+    assert not no_key_row_errors(o, lse, 5)
+    o.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    interface.no_keys(o, lse)
+    assert no_key_row_errors(o, lse, 5) == ["a row past the last request was written"]

@@ -3,6 +3,8 @@ against the float64 reference with the same keys masked (varlen: each request's 
 Stage B's bounds, NaN-poisoned outputs, fresh random inputs and lengths; rows of a request with
 no key must come back O = 0 and LSE = -inf exactly; rows past the last request never written."""
 
+import math
+
 import pytest
 import torch
 
@@ -126,6 +128,22 @@ def test_requests_without_query_rows(arch, q_lens):
     stage.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=o, lse_out=lse)
     torch.cuda.synchronize()
     assert o.shape[0] == 5 and bool(o.isnan().all()) and bool(lse.isnan().all())
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_no_key_varlen_call(arch):
+    """No key at all (k of 0 rows): each request's rows O = 0, LSE = -inf, without a launch, on the
+    device and without a sync (masked fills); the 4 rows past the last request untouched."""
+    cu_q = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device="cuda")
+    cu_k = torch.zeros(4, dtype=torch.int32, device="cuda")
+    q = torch.randn(9, 16, 512, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(0, 1, 512, dtype=torch.bfloat16, device="cuda")
+    o = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(16, 9, dtype=torch.float32, device="cuda"))
+    stage.forward(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=o, lse_out=lse)
+    torch.cuda.synchronize()
+    assert bool((o[:5] == 0).all()) and bool((lse[:, :5] == -math.inf).all())
+    assert bool(o[5:].isnan().all()) and bool(lse[:, 5:].isnan().all())
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

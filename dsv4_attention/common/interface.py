@@ -101,10 +101,18 @@ def outputs(q, out, lse_out) -> tuple:
     return o, lse
 
 
-def no_keys(o, lse) -> tuple:
-    """The result of a call with no key at all, decided without a launch: O = 0, LSE = -inf."""
-    o.zero_()
-    lse.fill_(-math.inf)
+def no_keys(o, lse, cu_seqlens_q=None) -> tuple:
+    """The result of a call with no key at all, decided without a launch: O = 0, LSE = -inf.
+    ``cu_seqlens_q`` (a variable-length call: o [total, heads, d], lse [heads, total]): the rows of
+    the requests only, rows past the last one left as they are, as the kernel leaves them (masked
+    on the device: no sync, and a CUDA graph may capture it)."""
+    if cu_seqlens_q is None:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
+    rows = torch.arange(o.shape[0], device=o.device) < cu_seqlens_q[-1]
+    o.masked_fill_(rows[:, None, None], 0.0)
+    lse.masked_fill_(rows[None, :], -math.inf)
     return o, lse
 
 
@@ -281,7 +289,10 @@ def masked_attention_forward(stage_id: str, kernels: dict, head_dims, q, k, v, s
     o4, lse4 = outputs(q, out, lse_out)
     result = (o, lse) if varlen else (o4, lse4)
     if k.shape[1] == 0:
-        no_keys(o4, lse4)
+        if varlen_offsets is not None:
+            no_keys(o, lse, varlen_offsets.cu_seqlens_q)
+        else:
+            no_keys(o4, lse4)
         return result
     if varlen_offsets is not None and varlen_offsets.max_seqlen_q == 0:
         # no request has a query row: no row to write and nothing to launch (a grid of 0 CTAs is a

@@ -180,11 +180,14 @@ def store_o_rows(acc_o: cute.Tensor, thr_mma: cute.ThrMma, gO: cute.Tensor, rows
     """acc_o (this thread's C fragment of a (rows, cols) MMA tile) straight to ``gO``, the tile's
     global memory in the accumulator's dtype (split-KV's fp32 partial O), rows < ``rows_left``
     only. Each value goes from the thread that holds it: no SMEM, no barrier."""
-    tOgO = thr_mma.partition_C(gO)
-    coords = thr_mma.partition_C(cute.make_identity_tensor(cute.product_each(gO.shape)))
-    for i in cutlass.range_constexpr(cute.size(acc_o)):
-        if coords[i][0] < rows_left:
-            tOgO[i] = acc_o[i]
+    # a guard a row, not a value: acc_rows_view's row i holds one row's values (proven on the
+    # host: tests/test_c_sm90_host.py, the O view's rows), copied in one autovec copy
+    tOgO = acc_rows_view(thr_mma.partition_C(gO))
+    coords = acc_rows_view(thr_mma.partition_C(cute.make_identity_tensor(cute.product_each(gO.shape))))
+    rows = acc_rows_view(acc_o)
+    for i in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+        if coords[i, 0][0] < rows_left:
+            cute.autovec_copy(rows[i, None], tOgO[i, None])
 
 
 @cute.jit

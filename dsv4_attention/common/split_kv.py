@@ -20,9 +20,9 @@ against an off-by-one control). Every unit writes (no sink) its normalised O in 
     o_part   [S, batch, seqlen_q, heads, head_dim] fp32     (split s at batch index s B + b)
     lse_part [S, batch, heads, seqlen_q] fp32
 
-an empty split O = 0 and LSE = -inf (its consumers store them without a tile: every element is
-written). ``combine`` then merges the S parts of each row exactly as ``common/merge.py`` merges
-two (the splits' key sets are disjoint):
+an empty split O = 0 and LSE = -inf (its consumers load nothing and run the epilogue of rows
+that saw no key: every element is written). ``combine`` then merges the S parts of each row
+exactly as ``common/merge.py`` merges two (the splits' key sets are disjoint):
 
     G = max_s lse_s;  w_s = exp(lse_s - G);  LSE = G + log sum_s w_s
     O = sum_s (w_s / sum w) O_s,  times sigmoid(LSE - sink[h]) (D5's sink, applied once here)

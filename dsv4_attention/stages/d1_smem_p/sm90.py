@@ -401,7 +401,7 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
 
     def may_hide_rows(self) -> bool:
         """Whether a row can see no key at all (then O = 0, LSE = -inf)."""
-        return self.uses_seqused_k or self.varlen
+        return self.uses_seqused_k or self.varlen or self.split_kv  # split-KV: a split may hold no key
 
     def masks_inner_tiles(self) -> bool:
         """Whether tiles after the first visited one can straddle a boundary (D4's window edges)."""
@@ -740,14 +740,15 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
 
     @cute.jit
     def epilogue(self, c: ConsumerOperands, acc_o, softmax: OnlineSoftmax, stat_rows, tScS, thr_pv, wg, tidx,
-                 tPsP=None):
+                 tPsP=None, visited=None):
         """[split, seesaw: the row sums of the two warpgroups added through SMEM]; O /= l (and the
         sink's seam); O over sQ, one TMA store (persistent: each warpgroup's columns through its P
         buffer, 64 at a time: the row sums' barrier says both warpgroups' PVs have read them; ``tPsP``
-        the seesaw's P store view); LSE (split, seesaw: warpgroup 0's copy, both hold the same rows)."""
+        the seesaw's P store view); LSE (split, seesaw: warpgroup 0's copy, both hold the same rows).
+        ``visited``: split-KV, whether the unit visited a KV tile (None: always)."""
         total = None
         if cutlass.const_expr(self.col_split):
-            total = self.exchange_sums(softmax, stat_rows, c.row_stats, wg)
+            total = self.exchange_sums(softmax, stat_rows, c.row_stats, wg, visited)
         inv_sum = softmax.finalize(total)
         self.row_scale(inv_sum, softmax.lse, c.mSink, tScS, c.m_block, c.head)
         scale_rows(acc_o, inv_sum)
@@ -905,9 +906,20 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         return 0 if self.seesaw else wg * self.wg_keys
 
     @cute.jit
-    def exchange_sums(self, softmax, stat_rows, row_stats, wg):
-        """split: the full row sums, this half's plus the other's, through SMEM."""
+    def exchange_sums(self, softmax, stat_rows, row_stats, wg, visited=None):
+        """split: the full row sums, this half's plus the other's, through SMEM. ``visited`` False
+        (split-KV, a unit without keys): both halves' sums are 0, and nothing is exchanged: the
+        slots may still hold the previous unit's sums, unread (no handoff came between)."""
         own = softmax.row_sums()
+        if cutlass.const_expr(visited is None):
+            self.add_other_sums(own, stat_rows, row_stats, wg)
+        else:
+            if visited:
+                self.add_other_sums(own, stat_rows, row_stats, wg)
+        return own
+
+    @cute.jit
+    def add_other_sums(self, own, stat_rows, row_stats, wg):
         if stat_rows[0, 0][1] == self.s_block_first_key(wg):
             for i in cutlass.range_constexpr(cute.size(own)):
                 row_stats[stat_rows[i, 0][0], wg, 1] = own[i]
@@ -915,7 +927,6 @@ class FlashAttentionD1Sm90(SeesawSchedule, RowSplitSchedule, TileScheduler):
         barrier_sync_unaligned(int(Sm90FwdBarrier.ROW_STATS), self.consumer_threads)
         for i in cutlass.range_constexpr(cute.size(own)):
             own[i] = own[i] + row_stats[stat_rows[i, 0][0], 1 - wg, 1]
-        return own
 
     @cute.jit
     def stage_p(self, acc_s, r_p, tPsP, p_buf, wg):

@@ -78,20 +78,20 @@ class SeesawSchedule:
             m_block, head, req, has_rows, kv_part = self.tile_at(tile_idx, m_tiles, heads, tensors)
             if has_rows:
                 tile = self.tile_views(m_block, head, req, tensors, smem, uses_before, kv_part)
-                if self.has_visits(tile):
-                    if cutlass.const_expr(role == PRODUCER):
+                if cutlass.const_expr(role == PRODUCER):
+                    if self.has_visits(tile):  # split-KV: a split past the span's tiles loads nothing, not Q
                         self.load(smem, tile, atoms, warp_idx, uses_before, tiles_before)
-                    else:
-                        c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
-                        self.consume_seesaw(role, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, uses_before,
-                                            rounds_before, tiles_before, smem.q_empty)
-                        rounds_before = rounds_before + (tile.n_blocks + 1) // 2
-                    uses_before = uses_before + tile.n_blocks
+                else:  # (split-KV: such a split goes straight to the epilogue, consume_seesaw)
+                    c = self.consumer_operands(mmas, smem, tile, atoms, mSink, scale_log2)
+                    self.consume_seesaw(role, c, mmas[2], smem.ring, smem.handoffs, tile.n_blocks, uses_before,
+                                        rounds_before, tiles_before, smem.q_empty)
+                    rounds_before = rounds_before + (tile.n_blocks + 1) // 2
+                uses_before = uses_before + tile.n_blocks
+                if cutlass.const_expr(self.split_kv):  # Q's phase counts the tiles whose Q was loaded
+                    if self.has_visits(tile):
+                        tiles_before = tiles_before + 1
+                else:
                     tiles_before = tiles_before + 1
-                else:  # split-KV: a split past the span's tiles stores O = 0, LSE = -inf, loads nothing
-                    if cutlass.const_expr(self.split_kv and role != PRODUCER):
-                        self.store_empty_split(role, self.consumer_operands(mmas, smem, tile, atoms, mSink,
-                                                                            scale_log2))
 
     @cute.jit
     def tile_at(self, tile_idx, m_tiles, heads, tensors):
@@ -148,9 +148,27 @@ class SeesawSchedule:
         mmas = (qk_mma, pv_mma, pv_own_mma)
         first_row = c.m_block * self.tile_m
 
-        cute.arch.mbarrier_wait(c.q_bar, tiles_before % 2)
+        pairs = (mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats, span, n_blocks,
+                 first_row, (uses_before, rounds_before), c.q_bar, tiles_before)
+        visited = None
+        if cutlass.const_expr(self.split_kv):
+            # a split past its span's tiles (n_blocks = 0) has no key: no Q, no pair; the epilogue
+            # of a row that saw no key gives its part O = 0, LSE = -inf, so the merge reads every
+            # part it is given (one epilogue in the kernel, not a second for the empty parts)
+            visited = n_blocks > 0
+            if visited:
+                self.seesaw_pairs(wg, *pairs)
+        else:
+            self.seesaw_pairs(wg, *pairs)
+        self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, wg, tidx, ops.tPsP, visited)
+
+    @cute.jit
+    def seesaw_pairs(self, wg: int, mmas, ring: KvChunkRing, handoffs, ops, acc_s, acc_o, r_p, softmax: OnlineSoftmax,
+                     stat_rows, row_stats, span: KvSpan, n_blocks, first_row, base, q_bar, tiles_before):
+        """Warpgroup ``wg``'s pairs of one tile: Q landed, then ``seesaw_lead`` / ``seesaw_follow``
+        for pairs 0 .. n_blocks / 2 (an odd count ends with a pair without b)."""
+        cute.arch.mbarrier_wait(q_bar, tiles_before % 2)
         n_pairs = n_blocks // 2
-        base = (uses_before, rounds_before)
         if cutlass.const_expr(wg == 0):
             for k in cutlass.range(n_pairs, unroll=1):
                 self.seesaw_lead(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
@@ -158,8 +176,7 @@ class SeesawSchedule:
             if n_blocks % 2 == 1:
                 self.seesaw_lead(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
                                  row_stats, span, n_blocks, first_row, base)
-            self.seesaw_lead_end(ring, n_blocks, uses_before)
-            self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, 0, tidx, ops.tPsP)
+            self.seesaw_lead_end(ring, n_blocks, base[0])
         else:
             for k in cutlass.range(n_pairs, unroll=1):
                 self.seesaw_follow(k, True, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows, row_stats,
@@ -167,7 +184,6 @@ class SeesawSchedule:
             if n_blocks % 2 == 1:
                 self.seesaw_follow(n_pairs, False, mmas, ring, handoffs, ops, acc_s, acc_o, r_p, softmax, stat_rows,
                                    row_stats, span, n_blocks, first_row, base)
-            self.epilogue(c, acc_o, softmax, stat_rows, ops.tScS, thr_pv, 1, tidx, ops.tPsP)
 
     @cute.jit
     def seesaw_lead_end(self, ring: KvChunkRing, n_blocks, uses_before):
@@ -340,19 +356,6 @@ class SeesawSchedule:
         for i in cutlass.range_constexpr(cute.size(out)):
             out[i] = row_stats[stat_rows[i, 0][0], wg, 0]
         return out
-
-    @cute.jit
-    def store_empty_split(self, wg: int, c: ConsumerOperands):
-        """split-KV: a split past its span's tiles has no key: O = 0, LSE = -inf, as the empty-row
-        path gives, so the merge reads every part it is given."""
-        sub = (cute.arch.thread_idx()[0] - THREADS_PER_WARPGROUP) % THREADS_PER_WARPGROUP
-        thr_pv = c.pv_mma.get_slice(sub)
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, self.o_width)))
-        acc_o.fill(0.0)
-        tScS = self.s_coords(wg, c.qk_mma.get_slice(sub))
-        lse = cute.make_rmem_tensor(cute.size(acc_rows_view(tScS), mode=[0]), cutlass.Float32)
-        lse.fill(-cutlass.Float32.inf)
-        self.store_partial(c, acc_o, lse, tScS, thr_pv, wg)
 
     def make_pv_own_mma(self) -> cute.TiledMma:
         """seesaw: the PV MMA over a warpgroup's own P, from its registers (RS wgmma, stage C's

@@ -16,7 +16,7 @@ at any row; with heads packed, packed row cu_q[b] * g is that token's first head
 request's row and key counts; the grid runs the tiles of the longest request, and a tile past
 its request's rows does nothing. Loads past the request's end read the next request's rows,
 which the key mask hides (keys) or nobody stores (queries); the one Q tile that straddles the
-end stores O row by row (common/sm90_epilogue.store_o_rows), never the next request's rows.
+end stores O row by row (common/sm90_epilogue.copy_rows), never the next request's rows.
 
     request b:   Q/O rows  [cu_q[b] * g, cu_q[b + 1] * g)      (packed rows, g heads per token)
                  K/V keys  [cu_k[b], cu_k[b + 1])
