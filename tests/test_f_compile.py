@@ -3,18 +3,20 @@
 serialized wgmma, no spills (with dQ added by red.global.add per element, hd 128 spilled 12-24
 bytes: the address arithmetic; the dQ warp's TMA reduction removed it), no elect.sync nested in
 another's region (the dQ warp's first hang). The deterministic variant (dQ's turns) and the
-per-batch key counts (seqused_k) and variable-length batches (cu_seqlens) too. No sm100 kernel yet:
-the backward refuses Blackwell tensors (stages/f_backward/__init__.py)."""
+per-batch key counts (seqused_k) and variable-length batches (cu_seqlens) too. The sm100 kernel
+(head dim 128, no deterministic mode) compiles for sm_100a within the same budgets, with its
+512-column TMEM allocation, and its constructor refuses the deterministic mode by name."""
 
 import pytest
 
 from dsv4_attention.common.compile import assert_within_budget
 from dsv4_attention.stages import f_backward as stage
 
-pytestmark = [pytest.mark.stage_f, pytest.mark.arch("sm90")]  # the arch names the status table's row
+pytestmark = [pytest.mark.stage_f]  # each test's arch mark names the status table's row
 
 
 @pytest.mark.compile
+@pytest.mark.arch("sm90")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 @pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True},
@@ -23,3 +25,26 @@ pytestmark = [pytest.mark.stage_f, pytest.mark.arch("sm90")]  # the arch names t
                          ids=["dense", "window", "window_deterministic", "causal_seqused", "causal_varlen"])
 def test_compiles_within_budget(dtype, head_dim, options):
     assert_within_budget(stage.ID, "sm90", dtype, head_dim, options=options)
+
+
+@pytest.mark.compile
+@pytest.mark.arch("sm100")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True},
+                                     {"has_right": True, "has_seqused": True}, {"has_right": True, "varlen": True}],
+                         ids=["dense", "window", "causal_seqused", "causal_varlen"])
+def test_sm100_compiles_within_budget(dtype, options):
+    rep = assert_within_budget(stage.ID, "sm100", dtype, 128, min_tmem_columns=512, options=options)
+    assert rep.tmem_columns == 512, rep.row()
+
+
+@pytest.mark.arch("sm100")
+def test_sm100_refuses_the_deterministic_mode():
+    import cutlass
+
+    from dsv4_attention.stages.f_backward.sm100 import FlashAttentionBackwardSm100
+
+    with pytest.raises(ValueError, match="deterministic"):
+        FlashAttentionBackwardSm100(cutlass.BFloat16, 128, deterministic=True)
+    with pytest.raises(ValueError, match="head dims"):
+        FlashAttentionBackwardSm100(cutlass.BFloat16, 64)

@@ -24,8 +24,9 @@ import torch
 from dsv4_attention import attention
 from dsv4_attention.common import reference
 from dsv4_attention.common.autograd import NotDifferentiableError
+from dsv4_attention.common.kv_span import row_keys
 from dsv4_attention.stages import f_backward as stage
-from dsv4_attention.stages.f_backward.span import first_kv_tile, q_tile_range, visit
+from dsv4_attention.stages.f_backward.span import first_kv_tile, key_queries, q_tile_range, visit
 
 pytestmark = [pytest.mark.stage_f]
 
@@ -362,3 +363,37 @@ def test_varlen_backward_without_rows_or_keys_launches_nothing(monkeypatch, lens
     assert len(calls) == (1 if all(map(sum, lens)) else 0)
     if not all(map(sum, lens)):
         assert not dq.any() and not dk.any() and not dv.any()
+
+
+def key_query_failures(rule, stop_at_first: bool = False) -> list:
+    """(key, p0, ...) where ``rule``'s bounds disagree with the forward's per-row rule
+    (``row_keys``) on whether query q of a 64-query tile sees the key, over keys and positions on
+    both sides of every bound, windows from 0 to past the sequence, and keys past seqlen_k."""
+    bad = []
+    for sk in (1, 100, 1000):
+        for left, right in ((None, None), (None, 0), (0, 0), (127, 0), (50, 30), (None, 5), (0, None), (3000, 3000)):
+            for key in (0, 63, 64, 99, 100, 101, 999, 1200):
+                for p0 in (-200, -1, 0, 37, 99, 980, 1100):
+                    first, last = rule(key, p0, sk, left or 0, right or 0, left is not None, right is not None, 64)
+                    for q in range(64):
+                        lo, hi = row_keys(p0 + q, sk, left or 0, right or 0, left is not None, right is not None)
+                        sees = key < hi and (lo is None or key >= lo)
+                        if sees != (first <= q <= last):
+                            bad.append((sk, left, right, key, p0, q))
+                            if stop_at_first:
+                                return bad
+    return bad
+
+
+def test_key_queries_is_the_forward_rule():
+    """The sm100 backward's mask (one key a thread, its queries against two bounds) hides exactly
+    what the forward's per-row rule hides."""
+    assert not key_query_failures(key_queries)
+
+
+def test_key_query_checker_rejects_an_off_by_one():
+    def late(key, p0, sk, left, right, has_left, has_right, tile_m):
+        first, last = key_queries(key, p0, sk, left, right, has_left, has_right, tile_m)
+        return first, last - 1
+
+    assert key_query_failures(late, stop_at_first=True)

@@ -1,6 +1,7 @@
 """Host proof (CPU, no GPU): the operand layouts of stage F's SM100 backward
 (stages/f_backward/sm100_layouts.py), built with the module's own builders, which the kernel is
-to use. The kernel itself does not exist yet; these are the addresses it will rely on.
+to use. The kernel (stages/f_backward/sm100.py) is built from them; it has never run (no Blackwell GPU is
+lent), so these proofs and its compile are what speaks for it.
 
 1. Transposed SMEM views. Q and dO (TMA-written, the K-major B of S^T / dP^T) are read as the
    MN-major B of dK / dV; K as the K-major A of S^T and the MN-major A of dQ^T; dS^T is written
@@ -17,6 +18,11 @@ to use. The kernel itself does not exist yet; these are the addresses it will re
    dS^T inside their scores'. Negative control: dQ^T moved onto dK.
 4. The five MMAs take these operands: one visit's MMAs issued from the layouts compile for
    sm_100a, 20 tcgen05.mma of which dK's 4 read A from TMEM.
+5. The register order the kernel relies on: compute thread t's TMEM loads of S^T, dP^T (and of
+   dQ^T; dK and dV at the end) hold key t's (dim t's) row, register i of the row being query
+   (column) i, the order of its P^T / dS^T stores (section 2), of its sdS row store, of its dQ
+   pointer's steps and of its dK / dV row stores. Negative control:
+   the load sliced with another warp's thread index.
 
 Nothing is launched.
 """
@@ -287,3 +293,43 @@ def test_visit_mmas_compile_for_sm100a(tmp_path):
     # dK's four read A from TMEM (the TS form: "[d_tmem], [a_tmem], b_desc"), the others two descriptors
     from_tmem = [line for line in issued if re.search(r"\[%r\d+\], \[%r\d+\], %rd", line)]
     assert len(from_tmem) == 4, from_tmem
+
+
+# ---- 5. the TMEM loads' register order ---------------------------------------------------
+
+
+def load_orders(region_name: str, wrong: bool = False) -> list:
+    """Per compute thread, the (lane row, column) of each register of its load of the region, in
+    the flat order the kernel indexes its registers (chunk-major, as ``make_rmem_tensor`` of the
+    partition's shape lays them out). ``wrong``: the load sliced with another warp's thread index
+    (the negative control)."""
+    from dsv4_attention.common.tmem import EPI_COLS, epi_view, make_acc_tmem_load
+
+    def body():
+        mmas = L.BackwardMmas(BF16, D)
+        region = {"scores": L.scores_region(mmas, L.S_COL), "dq": L.dq_region(mmas),
+                  "grads": L.grads_region(mmas, L.DK_COL)}[region_name]
+        load, _ = make_acc_tmem_load(region.at(placeholder_tmem_base()), EPI_COLS)
+        rows = D if region_name == "dq" else L.TILE_N
+        cols = D if region_name == "grads" else L.TILE_M
+        ids = epi_view(cute.make_identity_tensor((rows, cols)), EPI_COLS)
+        out = []
+        for t in range(128):
+            part = load.get_slice((t + 32) % 128 if wrong else t).partition_D(ids)
+            out.append([tuple(int(x) for x in part[i]) for i in range(cute.size(part))])
+        return out
+
+    return trace(body)
+
+
+def load_order_failures(orders) -> list:
+    return [t for t, got in enumerate(orders) if got != [(t, q) for q in range(len(got))]][:4]
+
+
+@pytest.mark.parametrize("region", ["scores", "dq", "grads"])
+def test_loads_hold_a_row_in_query_order(region):
+    assert not load_order_failures(load_orders(region))
+
+
+def test_load_order_checker_rejects_another_threads_slice():
+    assert load_order_failures(load_orders("scores", wrong=True))

@@ -4,7 +4,9 @@ O and LSE, recomputing P tile by tile: nothing of size seqlen_q x seqlen_k is ev
 Issue 44's first steps: head dims 64 and 128, bf16 / fp16, GQA / MQA (the group's dK and dV
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
 convention), per-batch key counts (``seqused_k``) and variable-length batches (``cu_seqlens_q`` /
-``cu_seqlens_k``, packed [total, heads, d] tensors), on Hopper (sm90.py). Three launches a call:
+``cu_seqlens_k``, packed [total, heads, d] tensors), on Hopper (sm90.py); on Blackwell
+(sm100.py: compiled and proven on the host, never run) head dim 128 without the deterministic
+mode. Three launches a call:
 D = rowsum(dO * O) and the padded LSE (torch, elementwise), the kernel (dK, dV complete; dQ
 accumulated in fp32 across KV tiles), and dQ's rounding to q's dtype (torch; a variable-length
 batch's dQ, dK and dV gathered from rows padded per request, common/varlen.py).
@@ -51,7 +53,10 @@ NAME = "backward"
 ADDS = "gradients: dQ, dK, dV recomputing P per tile (dK, dV per KV tile in registers, dQ by a TMA reduce-add a visit)"
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
-KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90"}
+KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90",
+           "sm100": "dsv4_attention.stages.f_backward.sm100:FlashAttentionBackwardSm100"}
+#: what sm100's kernel serves of the above (sm100.py: head dim 128, dQ by atomics only)
+SM100_HEAD_DIMS = (128,)
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
 LOG2E = math.log2(math.e)
@@ -131,7 +136,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     check_out("lse", lse, (q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
     arch = arch_of_device(q.device)
     if arch not in KERNELS:
-        raise ValueError(f"the backward runs on Hopper (sm90) only so far; these tensors are on {arch}")
+        raise ValueError(f"the backward runs on Hopper (sm90) and Blackwell (sm100); these tensors are on {arch}")
     scale = check_scale(softmax_scale, q.shape[3])
     left, right = check_window(causal, window_size)
     b, sq, h, d = q.shape
@@ -171,6 +176,12 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     limit = max_q + max_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    if arch == "sm100":  # after every other check: what only sm100's kernel lacks (sm100.py)
+        if d not in SM100_HEAD_DIMS:
+            raise ValueError(f"the sm100 backward serves head dims {SM100_HEAD_DIMS}; got {d}")
+        if deterministic:
+            raise ValueError("deterministic=True (or torch.use_deterministic_algorithms) is the sm90 backward's; "
+                             "sm100's adds dQ with atomics")
     # deterministic dQ: per (request, head, Q tile), how many KV tiles have added their sum
     turns = torch.zeros((requests, h, -(-max_q // TILE_M)) if deterministic else (1, 1, 1), dtype=torch.int32,
                         device=q.device)
@@ -222,5 +233,7 @@ def serves(q, k, v) -> str | None:
         return f"the backward runs on CUDA tensors (Hopper sm90); got {q.device}"
     arch = arch_of_device(q.device)
     if arch not in KERNELS:
-        return f"the backward runs on Hopper (sm90) only so far; these tensors are on {arch}"
+        return f"the backward runs on Hopper (sm90) and Blackwell (sm100); these tensors are on {arch}"
+    if arch == "sm100" and q.shape[-1] not in SM100_HEAD_DIMS:
+        return f"the sm100 backward serves head dims {SM100_HEAD_DIMS}; got {q.shape[-1]}"
     return None

@@ -1,6 +1,6 @@
-"""Stage F on Blackwell (SM100): the operand layouts of the backward kernel, proven on the host
-before the kernel exists (tests/test_f_sm100_host.py). The kernel to come builds its MMAs, SMEM
-and TMEM from these functions and nothing else, so the proofs speak for it.
+"""Stage F on Blackwell (SM100): the operand layouts of the backward kernel (sm100.py), proven on
+the host (tests/test_f_sm100_host.py). The kernel builds its MMAs, SMEM and TMEM from these
+functions and nothing else, so the proofs speak for it.
 
 The algorithm is stage F's (sm90.py): per CTA one KV tile of TILE_N = 128 keys of one (kv head,
 batch); it visits every (query head of the group, Q tile of TILE_M = 64 queries) that sees one of

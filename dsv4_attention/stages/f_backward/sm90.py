@@ -105,8 +105,7 @@ from dsv4_attention.common.sm90_gemm import (
     tile_tma_partition,
 )
 from dsv4_attention.common.softmax import acc_cols_view
-from dsv4_attention.common.varlen import batch_rows, padded_start
-from dsv4_attention.stages.f_backward.span import Visits, first_kv_tile, q_tile_range
+from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_tile
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WG = 2  # consumer warpgroups: 128 keys
@@ -338,29 +337,12 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
 
-        # the batch's tensors: a slice of the batched ones, or (varlen) the packed ones offset to the
-        # batch's first row, where LSE2, D, dQacc, dK and dV are padded per batch (common/varlen.py)
-        tb, k_rows = batch, seqlen_k
-        if cutlass.const_expr(self.varlen):
-            tb = 0
-            q_start, k_start = mCuQ[batch], mCuK[batch]
-            seqlen_q, seqlen_k = mCuQ[batch + 1] - q_start, mCuK[batch + 1] - k_start
-            k_rows = seqlen_k
-            q_pad, k_pad = padded_start(q_start, batch, self.tile_m), padded_start(k_start, batch, self.tile_n)
-            mQ, mdO = batch_rows(mQ, tb, q_start), batch_rows(mdO, tb, q_start)
-            mK, mV = batch_rows(mK, tb, k_start), batch_rows(mV, tb, k_start)
-            mLSE2, mD, mdQacc = [batch_rows(t, tb, q_pad) for t in (mLSE2, mD, mdQacc)]
-            mdK, mdV = [batch_rows(t, tb, k_pad) for t in (mdK, mdV)]
-        else:
-            mQ, mdO, mK, mV, mLSE2, mD, mdQacc, mdK, mdV = [
-                batch_rows(t, tb) for t in (mQ, mdO, mK, mV, mLSE2, mD, mdQacc, mdK, mdV)]
-        if cutlass.const_expr(self.has_seqused):
-            # the batch's keys: alignment, masks and span (the tensor may be longer); clamped as the
-            # forward does (a CUDA graph's capture skips the host's check of the values)
-            seqlen_k = cutlass.min(cutlass.max(mSeqused[batch], 0), seqlen_k)
-        m_lo, m_hi = q_tile_range(n_block, self.tile_n, self.tile_m, seqlen_q, seqlen_k, left, right,
-                                  self.has_left, self.has_right)
-        work = Visits(n_block, head_kv, group, m_lo, m_hi - m_lo, group * (m_hi - m_lo), seqlen_q, seqlen_k)
+        # the batch entry's (the request's) tensors and the Q tiles this KV tile visits
+        views = cta_views((mQ, mdO), (mK, mV), (mLSE2, mD, mdQacc), (mdK, mdV), n_block, head_kv, batch, group,
+                          seqlen_q, seqlen_k, left, right, mSeqused, mCuQ, mCuK, self.tile_m, self.tile_n,
+                          self.has_left, self.has_right, self.has_seqused, self.varlen)
+        (mQ, mdO), (mK, mV), (mLSE2, mD, mdQacc), (mdK, mdV) = views[:4]
+        work, k_rows = views.work, views.k_rows
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -83,3 +83,64 @@ def first_kv_tile(m_block, tile_n: int, tile_m: int, seqlen_q, seqlen_k, left, h
     if has_left:
         first = cutlass.max(m_block * tile_m - left + seqlen_k - seqlen_q, 0) // tile_n
     return first
+
+
+def key_queries(key, p0, seqlen_k, left, right, has_left: bool, has_right: bool, tile_m: int):
+    """(q_first, q_last): the queries q = 0 .. tile_m - 1 of a Q tile whose query q sits at
+    position p0 + q among the keys that see ``key``, as q_first <= q <= q_last: the forward's
+    per-row rule (common/kv_span.row_keys) solved for q, so that a kernel holding one key and a
+    row of queries (sm100.py: TMEM lane = key) compares each query index, a constant, with two
+    bounds. With d = key - p0: a right bound hides q < d - right, a left bound q > d + left, and
+    a key past seqlen_k hides every query. Clamped as row_keys clamps (to -1 and tile_m), with no
+    sum that can leave int32; tests/test_f_cpu.py checks it against row_keys for every pair."""
+    d = key - p0
+    q_first = -1
+    q_last = tile_m
+    if has_right:
+        q_first = d - cutlass.min(right, d + 1)  # max(d - right, -1)
+    if has_left:
+        q_last = d + cutlass.min(left, tile_m - d)  # min(d + left, tile_m)
+    # a key past seqlen_k: q_last = -1 (arithmetic, not a branch: traced with runtime values)
+    seen = cutlass.max(cutlass.min(seqlen_k - key, 1), 0)
+    return q_first, (q_last + 1) * seen - 1
+
+
+class CtaViews(NamedTuple):
+    """A CTA's tensors of its batch entry (or request) and its ``Visits``; ``k_rows``: the rows
+    its dK / dV may store (the request's keys; the tensor's otherwise)."""
+
+    q_rows: tuple
+    k_rows_views: tuple
+    q_padded: tuple
+    k_padded: tuple
+    work: Visits
+    k_rows: object
+
+
+def cta_views(q_rows: tuple, k_rows: tuple, q_padded: tuple, k_padded: tuple, n_block, head_kv, batch, group,
+              seqlen_q, seqlen_k, left, right, mSeqused, mCuQ, mCuK, tile_m: int, tile_n: int, has_left: bool,
+              has_right: bool, has_seqused: bool, varlen: bool) -> CtaViews:
+    """Both architectures' kernels (traced inside them): batch entry ``batch``'s slice of each
+    tensor, rows first and batch last; in a variable-length batch (``varlen``) the packed tensors
+    offset to the request's first row (``q_rows``: Q, dO; ``k_rows``: K, V) and the padded ones to
+    its padded start (``q_padded``: LSE2, D, dQacc by tile_m; ``k_padded``: dK, dV by tile_n:
+    common/varlen.py), with the request's lengths; ``seqused_k`` clamps the keys (as the forward
+    does: a CUDA graph's capture skips the host's check). Then the Q tiles the KV tile visits."""
+    from dsv4_attention.common.varlen import batch_rows, padded_start
+
+    tb, rows_k = batch, seqlen_k
+    if varlen:
+        tb = 0
+        q_start, k_start = mCuQ[batch], mCuK[batch]
+        seqlen_q, seqlen_k = mCuQ[batch + 1] - q_start, mCuK[batch + 1] - k_start
+        rows_k = seqlen_k
+        q_pad, k_pad = padded_start(q_start, batch, tile_m), padded_start(k_start, batch, tile_n)
+        views = ([batch_rows(t, tb, q_start) for t in q_rows], [batch_rows(t, tb, k_start) for t in k_rows],
+                 [batch_rows(t, tb, q_pad) for t in q_padded], [batch_rows(t, tb, k_pad) for t in k_padded])
+    else:
+        views = tuple([batch_rows(t, tb) for t in group_] for group_ in (q_rows, k_rows, q_padded, k_padded))
+    if has_seqused:
+        seqlen_k = cutlass.min(cutlass.max(mSeqused[batch], 0), seqlen_k)
+    m_lo, m_hi = q_tile_range(n_block, tile_n, tile_m, seqlen_q, seqlen_k, left, right, has_left, has_right)
+    work = Visits(n_block, head_kv, group, m_lo, m_hi - m_lo, group * (m_hi - m_lo), seqlen_q, seqlen_k)
+    return CtaViews(*(tuple(v) for v in views), work, rows_k)
