@@ -230,7 +230,7 @@ def serves(q, k, v) -> str | None:
     if q.dtype not in DTYPES:
         return f"the backward serves {DTYPES}; got {q.dtype}"
     if q.device.type != "cuda":
-        return f"the backward runs on CUDA tensors (Hopper sm90); got {q.device}"
+        return f"the backward runs on CUDA tensors (Hopper sm90, Blackwell sm100); got {q.device}"
     arch = arch_of_device(q.device)
     if arch not in KERNELS:
         return f"the backward runs on Hopper (sm90) and Blackwell (sm100); these tensors are on {arch}"

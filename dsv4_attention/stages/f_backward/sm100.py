@@ -48,7 +48,6 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from dsv4_attention.common.layouts import reorder, seq_major
 from dsv4_attention.common.tmem import (
     EPI_COLS,
     epi_view,
@@ -57,7 +56,7 @@ from dsv4_attention.common.tmem import (
     make_acc_tmem_load,
 )
 from dsv4_attention.stages.f_backward import sm100_layouts as L
-from dsv4_attention.stages.f_backward.span import Visits, cta_views, key_queries
+from dsv4_attention.stages.f_backward.span import Visits, cta_views, kernel_views, key_queries
 
 COMPUTE_THREADS = 128
 TMA_WARP, MMA_WARP = 4, 5
@@ -123,12 +122,9 @@ class FlashAttentionBackwardSm100:
         right: Int32,
         stream: cuda.CUstream,
     ):
-        for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("dO", mdO), ("dK", mdK), ("dV", mdV)):
-            if cutlass.const_expr(t.element_type != self.dtype):
-                raise TypeError(f"{name} must be {self.dtype}, got {t.element_type}")
-        seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
-        mLSE2, mD = [reorder(t, (2, 1, 0)) for t in (mLSE2, mD)]  # (rows, heads, batch)
+        # types checked; rows first, batch last; (mLSE2, mD) as (rows, heads, batch)
+        seqlen_q, seqlen_k, mQ, mK, mV, mdO, mdK, mdV, mdQacc, mLSE2, mD = kernel_views(
+            self.dtype, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV)
 
         mmas = L.BackwardMmas(self.dtype, self.head_dim)
         smem = L.SmemLayouts(self.dtype, mmas, self.stages)
@@ -320,8 +316,7 @@ class FlashAttentionBackwardSm100:
             probs = probs_consumer.wait_and_advance()
             fence_after_thread_sync()  # after the compute threads' TMEM stores the barrier reports
             self.gemm(v.grads, dv_acc, p_op, tGrdOt[None, None, None, s], it > 0)
-            v2 = L.BackwardMmas(self.dtype, self.head_dim)
-            self.gemm(v2.grads, dk_acc, ds_op, tGrQt[None, None, None, s], it > 0)
+            self.gemm(v.grads, dk_acc, ds_op, tGrQt[None, None, None, s], it > 0)  # (gemm sets the flag first)
             dq = dq_producer.acquire_and_advance()  # the compute threads read the last dQ^T
             self.gemm(v.dq, dq_acc, tDrKt[None, None, None, 0], tDrdS[None, None, None, 0], False)
             dq.commit()

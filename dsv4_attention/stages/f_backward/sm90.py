@@ -89,7 +89,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from dsv4_attention.common.kv_span import row_keys
-from dsv4_attention.common.layouts import reorder, seq_major
 from dsv4_attention.common.p_staging import as_a_operand, convert_p_packed, make_pv_tiled_mma
 from dsv4_attention.common.sm90_barriers import Sm90BwdBarrier
 from dsv4_attention.common.sm90_epilogue import store_o
@@ -105,7 +104,7 @@ from dsv4_attention.common.sm90_gemm import (
     tile_tma_partition,
 )
 from dsv4_attention.common.softmax import acc_cols_view
-from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_tile
+from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_tile, kernel_views
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WG = 2  # consumer warpgroups: 128 keys
@@ -184,15 +183,9 @@ class FlashAttentionBackwardSm90:
         right: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("dO", mdO), ("dK", mdK), ("dV", mdV)):
-            if cutlass.const_expr(t.element_type != self.dtype):
-                raise TypeError(f"{name} must be {self.dtype}, got {t.element_type}")
-        for name, t in (("LSE2", mLSE2), ("D", mD), ("dQacc", mdQacc)):
-            if cutlass.const_expr(t.element_type != cutlass.Float32):
-                raise TypeError(f"{name} must be Float32, got {t.element_type}")
-        seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
-        mLSE2, mD = [reorder(t, (2, 1, 0)) for t in (mLSE2, mD)]  # (rows, heads, batch)
+        # types checked; rows first, batch last; (mLSE2, mD) as (rows, heads, batch)
+        seqlen_q, seqlen_k, mQ, mK, mV, mdO, mdK, mdV, mdQacc, mLSE2, mD = kernel_views(
+            self.dtype, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV)
 
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         sdp_mma = make_tiled_mma(self.dtype, tm, warpgroups=self.num_wg)  # S^T, dP^T: M = keys, N = queries

@@ -144,3 +144,21 @@ def cta_views(q_rows: tuple, k_rows: tuple, q_padded: tuple, k_padded: tuple, n_
     m_lo, m_hi = q_tile_range(n_block, tile_n, tile_m, seqlen_q, seqlen_k, left, right, has_left, has_right)
     work = Visits(n_block, head_kv, group, m_lo, m_hi - m_lo, group * (m_hi - m_lo), seqlen_q, seqlen_k)
     return CtaViews(*(tuple(v) for v in views), work, rows_k)
+
+
+def kernel_views(dtype, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV) -> tuple:
+    """Both kernels' ``__call__`` (traced): the launch arguments' element types checked (Q, K, V, dO,
+    dK, dV of ``dtype``; LSE2, D, dQacc fp32), then (seqlen_q, seqlen_k, mQ, mK, mV, mdO, mdK, mdV,
+    mdQacc) rows first and batch last (common/layouts.seq_major) and (mLSE2, mD) as (rows, heads,
+    batch)."""
+    from dsv4_attention.common.layouts import reorder, seq_major
+
+    for name, t in (("Q", mQ), ("K", mK), ("V", mV), ("dO", mdO), ("dK", mdK), ("dV", mdV)):
+        if t.element_type != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {t.element_type}")
+    for name, t in (("LSE2", mLSE2), ("D", mD), ("dQacc", mdQacc)):
+        if t.element_type != cutlass.Float32:
+            raise TypeError(f"{name} must be Float32, got {t.element_type}")
+    seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
+    rows_first = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+    return (seqlen_q, seqlen_k, *rows_first, *[reorder(t, (2, 1, 0)) for t in (mLSE2, mD)])
