@@ -48,3 +48,35 @@ def test_sm100_refuses_the_deterministic_mode():
         FlashAttentionBackwardSm100(cutlass.BFloat16, 128, deterministic=True)
     with pytest.raises(ValueError, match="head dims"):
         FlashAttentionBackwardSm100(cutlass.BFloat16, 64)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_preprocess_compiles_with_vector_loads(arch):
+    """The row statistics' kernel (preprocess.py) compiles for either architecture within the
+    budget, and reads O and dO 16 bytes a load (the strides it assumes divisible by 8 are a
+    contiguous tensor's, which the host checks); a head dim it cannot split evenly is refused."""
+    import re
+    import tempfile
+    import time
+
+    import torch
+
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.compile import COMPILE_BUDGET_S
+    from dsv4_attention.stages.f_backward.preprocess import BackwardPreprocess
+
+    for head_dim in (64, 128, 512):
+        for row_map in (False, True):
+            o = torch.empty(2, 100, 4, head_dim, dtype=torch.bfloat16)
+            args = [o, o, torch.empty(2, 4, 100), torch.empty(2, 4, 128), torch.empty(2, 4, 128),
+                    torch.empty(100, dtype=torch.int32) if row_map else None, jit.STREAM]
+            start = time.perf_counter()
+            with tempfile.TemporaryDirectory() as dump:
+                ptx = jit.compile_ptx(BackwardPreprocess(jit.cutlass_dtype(torch.bfloat16), head_dim,
+                                                         row_map=row_map), args, arch, dump)
+            assert time.perf_counter() - start < COMPILE_BUDGET_S
+            loads = re.findall(r"ld\.global(?:\.[a-z0-9:]+)*", ptx)
+            assert loads.count("ld.global.v4.b32") == 2 * (head_dim // 8 // min(32, head_dim // 8)), loads
+    with pytest.raises(ValueError, match="head dims"):
+        BackwardPreprocess(jit.cutlass_dtype(torch.bfloat16), 320)

@@ -685,3 +685,38 @@ f_backward.backward(q, k, v, o, lse, do, causal=True, deterministic=True)
 """
 
 test_compute_sanitizer = sanitizer_test(SANITIZED)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_preprocess_writes_the_statistics_rows(arch, head_dim, varlen):
+    """The preprocess kernel (D = rowsum(dO * O), LSE log2 e) against its torch specification on
+    fresh random rows, a fifth of the LSEs -inf: LSE2 bitwise (+inf where LSE is -inf), D within
+    fp32 summation order of the float64 sum, and every row no query lands on (the padding, NaN-
+    poisoned here) left untouched."""
+    from dsv4_attention.common.varlen import padded_index, padded_total
+    from dsv4_attention.stages.f_backward import preprocess
+
+    g = torch.Generator().manual_seed(4400 + head_dim + varlen)
+    if varlen:
+        b, s, h, cu = 1, 1000, 3, torch.tensor([0, 130, 130, 777, 1000], dtype=torch.int32, device="cuda")
+        rows, where = padded_total(s, 4, stage.TILE_M), padded_index(cu, s, stage.TILE_M).int()
+    else:
+        b, s, h, rows, where = 3, 333, 5, 384, None
+    o, do = (random_bshd(b, s, h, head_dim, torch.bfloat16, "cuda", generator=g) for _ in range(2))
+    lse = (torch.randn(b, h, s, generator=g) * 5).cuda()
+    lse[(torch.rand(b, h, s, generator=g) < 0.2).cuda()] = -math.inf
+    lse2, dsum = poison_(torch.empty(b, h, rows, device="cuda")), poison_(torch.empty(b, h, rows, device="cuda"))
+    want_lse2, want_dsum = lse2.clone(), dsum.clone()
+    preprocess.statistics(o, do, lse, lse2, dsum, where)
+    preprocess.statistics_torch(o, do, lse, want_lse2, want_dsum, where)
+    torch.cuda.synchronize()
+    assert torch.equal(lse2.isnan(), want_lse2.isnan()) and torch.equal(dsum.isnan(), want_dsum.isnan())
+    written = ~want_lse2.isnan()
+    assert written.sum() == b * h * s  # the torch form wrote every row once
+    assert torch.equal(lse2[written], want_lse2[written])
+    exact = (do.double() * o.double()).sum(-1).transpose(1, 2)
+    scale = (do.double() * o.double()).abs().sum(-1).transpose(1, 2)
+    got = dsum[..., slice(0, s) if where is None else where.long()].double()
+    assert ((got - exact).abs() <= 1e-6 * scale + 1e-30).all(), (got - exact).abs().max().item()

@@ -13,7 +13,12 @@ built with the kernel's own builders (stages/f_backward/sm90.py, common/sm90_gem
    control: the row view (``acc_rows_layout``) in its place.
 3. Coverage. The dQ MMA's C partition over 256 threads covers the (tile_m, d) tile exactly once
    (each dQ element is added once per visit), and so do dK / dV's over (tile_n, d).
-
+4. dQ's staging. ``dq_smem_layout`` places every (query, column) where the TMA reduction's box
+   reads it (blocks of 8 fp32 columns, 32 bytes a row, the blocks one after the other: written out
+   here as byte (n // 8) 32 tile_m + 32 m + 4 (n % 8)); each thread's value pairs are 8-byte
+   aligned neighbours (one 8-byte store each); and every warp's store of a pair touches each bank
+   at most twice (two wavefronts, the least 256 bytes take). Negative control: the row-major
+   (tile_m, d) staging the kernel had, 8 wavefronts a store.
 Nothing is launched.
 """
 
@@ -51,8 +56,9 @@ def transpose_mismatches(rows: int, cols: int, stages: int, wrong: bool = False)
     return bad
 
 
-@pytest.mark.parametrize("view", [("dS", TILE_N, TILE_M, 1), ("K", TILE_N, 128, 1), ("K64", TILE_N, 64, 1),
-                                  ("Q_dO", TILE_M, 128, 2), ("Q_dO64", TILE_M, 64, 2)], ids=lambda v: v[0])
+@pytest.mark.parametrize("view", [("dS", TILE_N, TILE_M, kernel.DS_STAGES), ("K", TILE_N, 128, 1),
+                                  ("K64", TILE_N, 64, 1), ("Q_dO", TILE_M, 128, 2), ("Q_dO64", TILE_M, 64, 2)],
+                         ids=lambda v: v[0])
 def test_transposed_views_read_what_was_written(view):
     _, rows, cols, stages = view
     bad = transpose_mismatches(rows, cols, stages)
@@ -125,3 +131,65 @@ def test_each_gradient_element_has_one_owner(holdings):
         seen = [c for values in h[name] for c in values]
         assert len(seen) == shape[0] * shape[1] and len(set(seen)) == len(seen), name
         assert set(seen) == {(r, c) for r in range(shape[0]) for c in range(shape[1])}, name
+
+
+def dq_staging(head_dim: int, kernels: bool = True) -> dict:
+    """The dQ accumulator's thread values and the staging layout's shape and stride (the kernel's
+    ``dq_smem_layout``, or the row-major control)."""
+    def body():
+        if kernels:
+            layout = kernel.dq_smem_layout(TILE_M, head_dim)
+        else:
+            layout = cute.make_layout((TILE_M, head_dim, 1), stride=(head_dim, 1, TILE_M * head_dim))
+        dq = kernel.make_dq_tiled_mma(cutlass.BFloat16, head_dim)
+        ident = cute.make_identity_tensor((TILE_M, head_dim))
+        return {"threads": [coords(dq.get_slice(t).partition_C(ident)) for t in range(THREADS)],
+                "shape": as_ints(layout.shape), "stride": as_ints(layout.stride)}
+
+    return trace(body, arch="sm90")
+
+
+def staging_byte(plan: dict, m: int, n: int) -> int:
+    return 4 * offset_of(plan["shape"], plan["stride"], (m, n, 0))
+
+
+def tma_box_byte(m: int, n: int) -> int:
+    """Blocks of (TILE_M rows, 8 fp32 columns), dense: where the reduction's box reads (m, n)."""
+    return (n // 8) * TILE_M * 32 + m * 32 + (n % 8) * 4
+
+
+def store_wavefronts(plan: dict) -> list:
+    """Per (warp, value pair): the most distinct 4-byte words any bank receives from the warp's
+    8-byte stores (shared memory serves one word per bank per wavefront)."""
+    out = []
+    for w in range(THREADS // 32):
+        for k in range(len(plan["threads"][0]) // 2):
+            words = set()
+            for t in range(32 * w, 32 * w + 32):
+                for m, n in plan["threads"][t][2 * k:2 * k + 2]:
+                    words.add(staging_byte(plan, m, n) // 4)
+            per_bank = {}
+            for word in words:
+                per_bank[word % 32] = per_bank.get(word % 32, 0) + 1
+            out.append(max(per_bank.values()))
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_staging_is_the_tma_box_and_conflict_free(head_dim):
+    plan = dq_staging(head_dim)
+    placed = {(m, n): staging_byte(plan, m, n) for m in range(TILE_M) for n in range(head_dim)}
+    bad = [(c, b, tma_box_byte(*c)) for c, b in placed.items() if b != tma_box_byte(*c)]
+    assert not bad, f"{len(bad)} elements off the TMA box, e.g. {bad[:4]}"
+    for t, values in enumerate(plan["threads"]):
+        for k in range(0, len(values), 2):
+            (m0, n0), (m1, n1) = values[k], values[k + 1]
+            b0 = placed[(m0, n0)]
+            assert (m1, n1) == (m0, n0 + 1) and placed[(m1, n1)] == b0 + 4 and b0 % 8 == 0, (t, k)
+    assert set(store_wavefronts(plan)) == {2}
+
+
+def test_dq_staging_checker_rejects_the_row_major_staging():
+    plan = dq_staging(128, kernels=False)
+    assert max(store_wavefronts(plan)) == 8
+    assert any(staging_byte(plan, m, n) != tma_box_byte(m, n) for m in range(TILE_M) for n in range(128))

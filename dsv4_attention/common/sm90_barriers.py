@@ -46,8 +46,7 @@ class Sm90BwdBarrier(enum.IntEnum):
     """The backward's (stages/f_backward/sm90.py), over its two consumer warpgroups."""
     # dS^T of both warpgroups' keys is in SMEM (stores fenced): the dQ wgmma may read it
     DS_READY = 1
-    # both warpgroups' dQ wgmmas have read sdS: the next visit may overwrite it
-    DS_FREE = 2
+    # (2 was DS_FREE: sdS's two slots made it unnecessary, stages/f_backward/sm90.py)
     # dK's and dV's epilogues, one id each (common/sm90_epilogue.store_o: sync, then the store warp
     # syncs while the others arrive): on one id the second store's sync would count into the first
     # store's arrive phase and hang the CTA

@@ -7,7 +7,7 @@ convention), per-batch key counts (``seqused_k``) and variable-length batches (`
 ``cu_seqlens_k``, packed [total, heads, d] tensors), on Hopper (sm90.py); on Blackwell
 (sm100.py: compiled and proven on the host, never run) head dim 128 without the deterministic
 mode. Three launches a call:
-D = rowsum(dO * O) and the padded LSE (torch, elementwise), the kernel (dK, dV complete; dQ
+D = rowsum(dO * O) and the padded LSE (preprocess.py), the kernel (dK, dV complete; dQ
 accumulated in fp32 across KV tiles), and dQ's rounding to q's dtype (torch; a variable-length
 batch's dQ, dK and dV gathered from rows padded per request, common/varlen.py).
 ``deterministic`` (or ``torch.use_deterministic_algorithms``) adds dQ's partial sums KV tile by
@@ -42,6 +42,7 @@ from dsv4_attention.common.validation import (
     check_window,
 )
 from dsv4_attention.common.varlen import padded_index, padded_total
+from dsv4_attention.stages.f_backward import preprocess
 from dsv4_attention.stages.f_backward import sink as sink_terms
 from dsv4_attention.stages.f_backward.fused import fused_backward
 from dsv4_attention.stages.f_backward.index import index_backward
@@ -154,9 +155,6 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
         if t is not None:
             check_out(name, t, k.shape[1:] if varlen else k.shape, k.dtype, k.device)
-    # LSE in the exp2 domain; a row that saw no key gets +inf, so its P is 0 and so are its gradients
-    lse2_rows = torch.where(torch.isneginf(lse), math.inf, lse * LOG2E)
-    dsum_rows = (do.float() * o.float()).sum(-1).transpose(1, 2)  # D = rowsum(dO * O), [b, h, sq]
     if varlen:  # rows padded per request; dK and dV through a padded workspace too
         requests = cu_seqlens_q.shape[0] - 1
         rows, q_rows = padded_total(sq, requests, TILE_M), padded_index(cu_seqlens_q, sq, TILE_M)
@@ -168,10 +166,11 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         requests, rows, q_rows = b, padded_rows(sq), slice(0, sq)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk_out is None else dk_out
         dv = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dv_out is None else dv_out
+    # LSE in the exp2 domain (+inf for a row that saw no key: its P is 0, and so are its gradients)
+    # and D = rowsum(dO * O), one launch (preprocess.py); padded rows keep +inf and 0
     lse2 = torch.full((b, h, rows), math.inf, dtype=torch.float32, device=q.device)
-    lse2[..., q_rows] = lse2_rows
     dsum = torch.zeros((b, h, rows), dtype=torch.float32, device=q.device)
-    dsum[..., q_rows] = dsum_rows
+    preprocess.statistics(o, do, lse, lse2, dsum, q_rows.int() if varlen else None)
     dq_acc = torch.zeros((b, rows, h, d), dtype=torch.float32, device=q.device)
     limit = max_q + max_k
     if deterministic is None:
@@ -202,7 +201,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
         dk, dv = _unpad(dk[0], k_rows, dk_out), _unpad(dv[0], k_rows, dv_out)
     if learnable_sink is None:
         return dq, dk, dv
-    return dq, dk, dv, sink_terms.gradient(learnable_sink, lse, dsum_rows)
+    return dq, dk, dv, sink_terms.gradient(learnable_sink, lse, dsum[..., q_rows])
 
 
 def _unpad(padded, rows, out):

@@ -46,7 +46,9 @@ Pipelines and barriers
                 into the same slot index; consumers release both
                 after the visit's last wgmma that read them (dK reads Q, dV reads dO).
     DS_READY    named barrier (256 consumer threads): both warpgroups' dS^T rows are in sdS.
-    DS_FREE     both warpgroups' dQ wgmmas have read sdS: the next visit may overwrite it.
+                sdS has two slots (visit i writes slot i % 2): a warpgroup writes slot i % 2 again
+                at visit i + 2, past DS_READY of visit i + 1, which the other warpgroup reached
+                after waiting for its dQ wgmma of visit i. So no barrier frees sdS.
     DQ_FULL, DQ_EMPTY   (256 consumer threads + the dQ warp) the visit's dQ is in sdQ (consumers
                 arrive, the dQ warp syncs, then reduces it into global memory and waits for the
                 reduction's SMEM reads); sdQ is free again (the dQ warp arrives, the consumers sync
@@ -63,16 +65,17 @@ Consumer warpgroup, per visit (Q tile m of head h)
     (padded rows: LSE2 = +inf, D = 0, so P = dS = 0 there)
     issue dK += dS^T Q                                     (RS; Q read MN-major)
     DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); wait all; release Q, dO
-    DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into dQacc); DS_FREE
+    DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into dQacc)
     end: dK *= scale; dK, dV -> SMEM -> TMA stores (rows past seqlen_k clipped).
 
 Layouts (consumer warpgroup w, warp w' in it, lane l)
     sQ, sdO     (tile_m, d, stages) K-major SW128 (TMA fills); sQt, sdOt the same bytes as
                 (d, tile_m, stages) MN-major: the B of dK / dV.
     sK, sV      (tile_n, d, 1) K-major SW128; sKt (d, tile_n, 1): the B of dQ.
-    sdS         (tile_n, tile_m, 1) K-major SW128 (written from the S^T partition); sdSt the
-                same bytes as (tile_m, tile_n, 1) MN-major: the A of dQ.
-    sdQ         (tile_m, d, 1) fp32, d contiguous, unswizzled: the TMA reduction's box.
+    sdS         (tile_n, tile_m, 2) K-major SW128 (written from the S^T partition); sdSt the
+                same bytes as (tile_m, tile_n, 2) MN-major: the A of dQ.
+    sdQ         (tile_m, d, 1) fp32 in blocks of 8 columns (``dq_smem_layout``): the TMA
+                reduction's box, stored by the consumers without bank conflicts.
     S^T, dP^T   ((2,2,tile_m/8),1,1): value (c, r, n) = S^T[64 w + 16 w' + l/4 + 8 r,
                 8 n + 2 (l%4) + c]: queries 8 n + 2 (l%4) + c, independent of r, so the column
                 statistics are tile_m / 4 values a thread: row (c, n) of the column view
@@ -108,6 +111,7 @@ from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_ti
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WG = 2  # consumer warpgroups: 128 keys
+DS_STAGES = 2  # sdS's slots: a visit's dS^T is written while the previous one's may still be read
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 
 
@@ -118,6 +122,20 @@ def make_dq_tiled_mma(dtype: type[cutlass.Numeric], head_dim: int) -> cute.Tiled
         dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32,
         (1, NUM_WG, 1), tiler_mn=(WGMMA_M, head_dim // NUM_WG),
     )
+
+
+def dq_smem_layout(tile_m: int, head_dim: int) -> cute.Layout:
+    """sdQ, one visit's dQ partial sums (tile_m, head_dim, 1) fp32, in blocks of 8 columns
+    (32 bytes a row), the blocks one after the other:
+
+        (tile_m, (8, head_dim / 8), 1) : (8, (1, 8 tile_m), tile_m head_dim)
+
+    The consumers store it from dQ's accumulator, 8 bytes a thread: a warp's store covers 8 rows
+    x 32 bytes of one block, and rows 32 bytes apart put them in 4 bank groups twice (two
+    wavefronts, the least 256 bytes take), at addresses affine in the register index (one base
+    register). Rows of head_dim x 4 bytes put all 8 rows in the same banks: 8 wavefronts
+    (tests/test_f_sm90_host.py). The TMA reduction reads the blocks as its box."""
+    return cute.make_layout((tile_m, (8, head_dim // 8), 1), stride=(8, (1, 8 * tile_m), tile_m * head_dim))
 
 
 class FlashAttentionBackwardSm90:
@@ -195,8 +213,8 @@ class FlashAttentionBackwardSm90:
         sQt_layout = make_tile_smem_layout_mn(self.dtype, tm, d, self.stages)
         sKV_layout = make_tile_smem_layout(self.dtype, tn, d, 1)
         sKVt_layout = make_tile_smem_layout_mn(self.dtype, tn, d, 1)
-        sdS_layout = make_tile_smem_layout(self.dtype, tn, tm, 1)
-        sdSt_layout = make_tile_smem_layout_mn(self.dtype, tn, tm, 1)
+        sdS_layout = make_tile_smem_layout(self.dtype, tn, tm, DS_STAGES)
+        sdSt_layout = make_tile_smem_layout_mn(self.dtype, tn, tm, DS_STAGES)
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_q, tma_q = make_tma_tile_atom(load, mQ, sQ_layout, tm, d)
         tma_atom_do, tma_do = make_tma_tile_atom(load, mdO, sQ_layout, tm, d)
@@ -208,8 +226,9 @@ class FlashAttentionBackwardSm90:
         sStat_layout = cute.make_layout((tm, self.stages))
         tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSE2, cute.make_layout(tm), (tm,))
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(load, mD, cute.make_layout(tm), (tm,))
-        # dQ's partial sums: (tile_m, d) fp32, d contiguous; one TMA reduce-add a visit
-        sdQ_layout = cute.make_layout((tm, d, 1), stride=(d, 1, tm * d))
+        # dQ's partial sums: (tile_m, d) fp32 in blocks of 8 columns (dq_smem_layout); one TMA
+        # reduce-add a visit
+        sdQ_layout = dq_smem_layout(tm, d)
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.slice_(sdQ_layout, (None, None, 0)), (tm, d))
 
@@ -498,7 +517,7 @@ class FlashAttentionBackwardSm90:
         tSrdO = sdp_mma.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdO = dkv_mma.make_fragment_B(wg_dkv.partition_B(sdOt))  # (MMA, 1, tile_m/16, stages)
         tKrQ = dkv_mma.make_fragment_B(wg_dkv.partition_B(sQt))
-        tQrdS = dq_mma.make_fragment_A(wg_dq.partition_A(sdSt))[None, None, None, 0]  # (MMA, 1, tile_n/16)
+        tQrdS = dq_mma.make_fragment_A(wg_dq.partition_A(sdSt))  # (MMA, 1, tile_n/16, DS_STAGES)
         tQrK = dq_mma.make_fragment_B(wg_dq.partition_B(sKt))[None, None, None, 0]
 
         thr_sdp = sdp_mma.get_slice(tidx)
@@ -514,7 +533,6 @@ class FlashAttentionBackwardSm90:
         tVrP = as_a_operand(r_p)
         tKrdS = as_a_operand(r_ds)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))  # (key, query) of each value
-        tSsdS = thr_sdp.partition_C(sdS[None, None, 0])  # where this thread's dS^T values go
         leader = tidx // 32 == 0  # the warp that issues the dK / dV stores
         # column views (common/softmax.acc_cols_view): row s holds the values of one query
         s_cols, dp_cols, c_cols = acc_cols_view(acc_s), acc_cols_view(acc_dp), acc_cols_view(tScS)
@@ -558,11 +576,12 @@ class FlashAttentionBackwardSm90:
                 for j in cutlass.range_constexpr(per_stat):
                     dp_cols[s, j] = s_cols[s, j] * (dp_cols[s, j] - dsum[s])
             convert_p_packed(acc_dp, r_ds)
-            cute.autovec_copy(r_ds, tSsdS)
+            ds_slot = it % DS_STAGES
+            cute.autovec_copy(r_ds, thr_sdp.partition_C(sdS[None, None, ds_slot]))  # this thread's dS^T values
             gemm(dkv_mma, acc_dk, tKrdS, tKrQ[None, None, None, state.index], zero_init=False)
             cute.arch.fence_proxy("async.shared", space="cta")  # dS^T stores -> the dQ wgmma's reads
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY), number_of_threads=self.consumer_threads)
-            gemm(dq_mma, acc_dq, tQrdS, tQrK, zero_init=True)
+            gemm(dq_mma, acc_dq, tQrdS[None, None, None, ds_slot], tQrK, zero_init=True)
             warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
@@ -576,7 +595,6 @@ class FlashAttentionBackwardSm90:
             cute.autovec_copy(acc_dq, thr_dq.partition_C(sdQ[None, None, 0]))
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the TMA unit's reads
             cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
-            cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_FREE), number_of_threads=self.consumer_threads)
 
         # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V) -> TMA -------------------
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
