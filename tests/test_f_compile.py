@@ -64,7 +64,7 @@ def test_preprocess_compiles_with_vector_loads(arch):
 
     from dsv4_attention.common import jit
     from dsv4_attention.common.compile import COMPILE_BUDGET_S
-    from dsv4_attention.stages.f_backward.preprocess import BackwardPreprocess
+    from dsv4_attention.stages.f_backward.preprocess_kernel import BackwardPreprocess
 
     for head_dim in (64, 128, 512):
         for row_map in (False, True):
