@@ -5,7 +5,8 @@ bytes: the address arithmetic; the dQ warp's TMA reduction removed it), no elect
 another's region (the dQ warp's first hang). The deterministic variant (dQ's turns) and the
 per-batch key counts (seqused_k) and variable-length batches (cu_seqlens) too. The sm100 kernel
 (head dim 128, no deterministic mode) compiles for sm_100a within the same budgets, with its
-512-column TMEM allocation, and its constructor refuses the deterministic mode by name."""
+512-column TMEM allocation, its deterministic mode with the turn protocol in its PTX (and none of
+it in the default), and its constructor refuses other head dims by name."""
 
 import pytest
 
@@ -31,23 +32,61 @@ def test_compiles_within_budget(dtype, head_dim, options):
 @pytest.mark.arch("sm100")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("options", [{}, {"has_left": True, "has_right": True},
+                                     {"has_left": True, "has_right": True, "deterministic": True},
                                      {"has_right": True, "has_seqused": True}, {"has_right": True, "varlen": True}],
-                         ids=["dense", "window", "causal_seqused", "causal_varlen"])
+                         ids=["dense", "window", "window_deterministic", "causal_seqused", "causal_varlen"])
 def test_sm100_compiles_within_budget(dtype, options):
     rep = assert_within_budget(stage.ID, "sm100", dtype, 128, min_tmem_columns=512, options=options)
     assert rep.tmem_columns == 512, rep.row()
 
 
 @pytest.mark.arch("sm100")
-def test_sm100_refuses_the_deterministic_mode():
+def test_sm100_refuses_other_head_dims():
     import cutlass
 
     from dsv4_attention.stages.f_backward.sm100 import FlashAttentionBackwardSm100
 
-    with pytest.raises(ValueError, match="deterministic"):
-        FlashAttentionBackwardSm100(cutlass.BFloat16, 128, deterministic=True)
     with pytest.raises(ValueError, match="head dims"):
         FlashAttentionBackwardSm100(cutlass.BFloat16, 64)
+    with pytest.raises(TypeError, match="unknown options"):
+        FlashAttentionBackwardSm100(cutlass.BFloat16, 128, has_sink=True)
+
+
+@pytest.mark.compile
+@pytest.mark.arch("sm100")
+def test_sm100_ptx_turns_and_row_stores():
+    """Read from the sm100 kernel's PTX. The deterministic mode's dQ turns: thread 0 polls the counter
+    with acquire loads, every compute thread fences its adds at gpu scope and meets the others at the
+    turn barrier, and one release increment passes the turn; the default kernel has none of it. In
+    both, a thread's dK and dV rows leave in 16-byte stores (2 x 128 x 2 bytes: 32) and nothing
+    narrower reaches global memory but dQ's fp32 adds."""
+    import re
+    import tempfile
+
+    import torch
+
+    from dsv4_attention import stages
+    from dsv4_attention.common import jit
+    from dsv4_attention.common.arch import target_arch
+    from dsv4_attention.stages.f_backward.sm100 import TURN_BARRIER_ID
+
+    mod = stages.get(stage.ID).module
+    found = {}
+    for deterministic in (False, True):
+        args = mod.example_args(torch.bfloat16, 128, deterministic=deterministic)
+        with target_arch("sm100"), tempfile.TemporaryDirectory() as dump:
+            kernel = mod.make_kernel("sm100", torch.bfloat16, 128, deterministic=deterministic)
+            ptx = jit.compile_ptx(kernel, args, "sm100", dump)
+        stores = re.findall(r"st\.global[.a-z0-9]*", ptx)
+        assert stores.count("st.global.v4.b32") == 32 and set(stores) == {"st.global.v4.b32"}, sorted(set(stores))
+        found[deterministic] = {
+            "acquire": "ld.acquire.gpu" in ptx,
+            "fence": "fence.acq_rel.gpu" in ptx,
+            "release": re.search(r"atom(\.global)?\.release(\.gpu)?\.add", ptx) is not None,
+            "turn barrier": re.search(rf"bar(rier)?\.sync\s+{TURN_BARRIER_ID}\s*,", ptx) is not None,
+        }
+    assert all(found[True].values()), found[True]
+    assert not any(found[False].values()), found[False]
 
 
 @pytest.mark.compile

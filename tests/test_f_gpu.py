@@ -40,23 +40,21 @@ pytestmark = [pytest.mark.stage_f]
 
 @pytest.fixture(autouse=True)
 def _sm100_serves(request):
-    """On Blackwell the backward kernel serves head dim 128 without the deterministic mode
-    (stages/f_backward/sm100.py). A case outside that asserts the call is refused by name before
-    any launch, then ends there (its gradients have no sm100 kernel to check). Where these tests
-    run on Hopper nothing changes."""
+    """On Blackwell the backward kernel serves head dim 128 (stages/f_backward/sm100.py). A case
+    at another head dim asserts the call is refused by name before any launch, then ends there (its
+    gradients have no sm100 kernel to check). Where these tests run on Hopper nothing changes."""
     params = getattr(request.node, "callspec", None)
     params = params.params if params is not None else {}
     if params.get("arch") != "sm100":
         return
     head_dim = params.get("head_dim", 128)
-    deterministic = "deterministic" in request.node.originalname
-    if head_dim in stage.SM100_HEAD_DIMS and not deterministic:
+    if head_dim in stage.SM100_HEAD_DIMS:
         return
     q, k, v, g = attention_inputs(1, 100, 100, 2, 1, head_dim, torch.bfloat16)
     o, lse = forward(q, k, v)
-    with pytest.raises(ValueError, match="head dims" if head_dim not in stage.SM100_HEAD_DIMS else "deterministic"):
-        stage.backward(q, k, v, o, lse, torch.randn_like(q), deterministic=deterministic)
-    pytest.skip("refused by name on sm100 (asserted): its kernel serves head dim 128 without the deterministic mode")
+    with pytest.raises(ValueError, match="head dims"):
+        stage.backward(q, k, v, o, lse, torch.randn_like(q))
+    pytest.skip("refused by name on sm100 (asserted): its kernel serves head dim 128")
 
 
 GRAD_REL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}

@@ -5,8 +5,8 @@ Issue 44's first steps: head dims 64 and 128, bf16 / fp16, GQA / MQA (the group'
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
 convention), per-batch key counts (``seqused_k``) and variable-length batches (``cu_seqlens_q`` /
 ``cu_seqlens_k``, packed [total, heads, d] tensors), on Hopper (sm90.py); on Blackwell
-(sm100.py: compiled and proven on the host, never run) head dim 128 without the deterministic
-mode. Three launches a call:
+(sm100.py: compiled and proven on the host, never run) head dim 128, the deterministic mode
+included. Three launches a call:
 D = rowsum(dO * O) and the padded LSE (preprocess.py), the kernel (dK, dV complete; dQ
 accumulated in fp32 across KV tiles), and dQ's rounding to q's dtype (torch; a variable-length
 batch's dQ, dK and dV gathered from rows padded per request, common/varlen.py).
@@ -56,7 +56,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90",
            "sm100": "dsv4_attention.stages.f_backward.sm100:FlashAttentionBackwardSm100"}
-#: what sm100's kernel serves of the above (sm100.py: head dim 128, dQ by atomics only)
+#: what sm100's kernel serves of the above (sm100.py: head dim 128)
 SM100_HEAD_DIMS = (128,)
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
@@ -175,12 +175,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     limit = max_q + max_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if arch == "sm100":  # after every other check: what only sm100's kernel lacks (sm100.py)
-        if d not in SM100_HEAD_DIMS:
-            raise ValueError(f"the sm100 backward serves head dims {SM100_HEAD_DIMS}; got {d}")
-        if deterministic:
-            raise ValueError("deterministic=True (or torch.use_deterministic_algorithms) is the sm90 backward's; "
-                             "sm100's adds dQ with atomics")
+    if arch == "sm100" and d not in SM100_HEAD_DIMS:  # after every other check: what sm100's kernel lacks
+        raise ValueError(f"the sm100 backward serves head dims {SM100_HEAD_DIMS}; got {d}")
     # deterministic dQ: per (request, head, Q tile), how many KV tiles have added their sum
     turns = torch.zeros((requests, h, -(-max_q // TILE_M)) if deterministic else (1, 1, 1), dtype=torch.int32,
                         device=q.device)

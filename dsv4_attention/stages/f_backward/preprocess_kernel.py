@@ -27,6 +27,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from dsv4_attention.common.sm100_correction import with_row_vectors
+
 THREADS = 128
 VEC = 8  # 16-bit values a thread loads at once (16 bytes)
 LOG2E = math.log2(math.e)
@@ -54,15 +56,11 @@ class BackwardPreprocess:
         # mLSE2, mD: (batch, heads, rows) fp32; mRows: (seqlen,) int32, the padded row of each row
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         per_cta = THREADS // self.group
-        self.kernel(self.aligned(mO), self.aligned(mdO), mLSE, mLSE2, mD, mRows, rows).launch(
+        # strides known to be multiples of 8 (a contiguous tensor's, d % 8 == 0): each thread's 8
+        # values are one 16-byte load
+        mO, mdO = with_row_vectors(mO, VEC), with_row_vectors(mdO, VEC)
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mRows, rows).launch(
             grid=[cute.ceil_div(rows, per_cta), 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    def aligned(self, m: cute.Tensor) -> cute.Tensor:
-        """``m`` with its strides known to be multiples of 8 (a contiguous tensor's, d % 8 == 0):
-        each thread's 8 values are one 16-byte load."""
-        s0, s1, s2, _ = m.stride
-        stride = (cute.assume(s0, divby=VEC), cute.assume(s1, divby=VEC), cute.assume(s2, divby=VEC), 1)
-        return cute.make_tensor(m.iterator, cute.make_layout(m.shape, stride=stride))
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,

@@ -2,7 +2,7 @@
 the forward's LSE and D = rowsum(dO * O), P recomputed per visit. The algorithm, the grid and the
 host's work are sm90.py's; what Blackwell changes is where the products live. Compiled for
 sm_100a and its operand layouts proven on the host (tests/test_f_sm100_host.py); it has never run
-(no Blackwell GPU is lent). Head dim 128; not the deterministic mode (sm90's).
+(no Blackwell GPU is lent). Head dim 128.
 
 Per CTA: KV tile n_block (TILE_N = 128 keys) of one (kv head, batch); visits (query head of the
 group, Q tile of TILE_M = 64 queries) that see one of its keys (``span.q_tile_range``), head-major.
@@ -31,6 +31,8 @@ Barriers (u: a pipeline's use; every wait on use u's parity):
     probs       compute <-> MMA     P^T, dS^T in TMEM and dS^T in sdS (tcgen05.wait::st, the async
                                     proxy fence) / sdS read by dQ^T (tcgen05.commit).
     dq          MMA <-> compute     dQ^T in TMEM / read (the next dQ^T may overwrite it).
+    turn        named barrier       (deterministic) thread 0 saw this KV tile's turn at the Q tile /
+                                    every compute thread's dQ adds are fenced at gpu scope.
     done        MMA -> compute      the last visit's MMAs completed: dK, dV final.
     tmem        named barrier       the allocator's handshake; free after the last TMEM access.
     stats       named barrier       the visit's LSE2 and D staged in SMEM by the compute threads
@@ -38,6 +40,13 @@ Barriers (u: a pipeline's use; every wait on use u's parity):
 
 The MMAs of one warp complete in issue order, which the map relies on: the next visit's S^T and
 dP^T overwrite P^T and dS^T only after the dV and dK issued before them have read them.
+
+Deterministic mode (sm90's rule, ``span.first_kv_tile``): the KV tiles that visit a Q tile add
+their dQ in KV-tile order. Counter mSem[b, h, m] holds how many have added; before its adds the
+CTA's thread 0 waits (acquire, gpu scope) until it equals n_block - first_kv_tile(m), the compute
+threads meet it at the turn barrier and add; each fences its adds (fence.acq_rel.gpu), they meet
+again, and thread 0 increments the counter (release). A CTA waits only for CTAs of lower block
+index (the KV tile is the grid's fastest dimension), which are dispatched first: no cycle.
 """
 
 import cuda.bindings.driver as cuda
@@ -48,6 +57,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from dsv4_attention.common.sm100_correction import with_row_vectors
 from dsv4_attention.common.tmem import (
     EPI_COLS,
     epi_view,
@@ -56,11 +66,12 @@ from dsv4_attention.common.tmem import (
     make_acc_tmem_load,
 )
 from dsv4_attention.stages.f_backward import sm100_layouts as L
-from dsv4_attention.stages.f_backward.span import Visits, cta_views, kernel_views, key_queries
+from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_tile, kernel_views, key_queries
 
 COMPUTE_THREADS = 128
 TMA_WARP, MMA_WARP = 4, 5
-TMEM_BARRIER_ID, STATS_BARRIER_ID = 1, 2
+TMEM_BARRIER_ID, STATS_BARRIER_ID, TURN_BARRIER_ID = 1, 2, 3
+ROW_VEC = 8  # 16-bit values a dK / dV store writes at once (16 bytes)
 
 
 def _pipeline(kind, bars, producers, consumers, stages: int = 1, tx=None):
@@ -75,19 +86,17 @@ class FlashAttentionBackwardSm100:
     arch = "sm_100a"
 
     #: the compile-time options sm90's kernel takes that this one serves (sm90.py's meanings)
-    OPTIONS = ("has_left", "has_right", "has_seqused", "varlen")
+    OPTIONS = ("has_left", "has_right", "has_seqused", "varlen", "deterministic")
     has_left: bool
     has_right: bool
     has_seqused: bool
     varlen: bool
+    deterministic: bool
 
-    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, *, stages: int = 2, deterministic: bool = False,
-                 **options):
+    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, *, stages: int = 2, **options):
         if dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise TypeError(f"dtype must be BFloat16 or Float16, got {dtype}")
         L.check_head_dim(head_dim)
-        if deterministic:
-            raise ValueError("the deterministic backward is sm90's; sm100 adds dQ with atomics")
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise TypeError(f"unknown options {unknown}; the sm100 backward takes {self.OPTIONS}")
@@ -111,7 +120,7 @@ class FlashAttentionBackwardSm100:
         mdQacc: cute.Tensor,  # (batch, rows, heads, d) fp32, zeroed
         mdK: cute.Tensor,  # like mK
         mdV: cute.Tensor,
-        mSem: cute.Tensor,  # (unused: the deterministic mode's)
+        mSem: cute.Tensor,  # (batch, heads, Q tiles) int32, zeroed: dQ's turns (deterministic only)
         mSeqused: cute.Tensor,  # (batch,) int32 (has_seqused only)
         mCuQ: cute.Tensor,  # (batch + 1,) int32 (varlen only)
         mCuK: cute.Tensor,
@@ -125,6 +134,8 @@ class FlashAttentionBackwardSm100:
         # types checked; rows first, batch last; (mLSE2, mD) as (rows, heads, batch)
         seqlen_q, seqlen_k, mQ, mK, mV, mdO, mdK, mdV, mdQacc, mLSE2, mD = kernel_views(
             self.dtype, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV)
+        # dK / dV rows in 16-byte stores: their strides are a contiguous tensor's (the host checks)
+        mdK, mdV = with_row_vectors(mdK, ROW_VEC), with_row_vectors(mdV, ROW_VEC)
 
         mmas = L.BackwardMmas(self.dtype, self.head_dim)
         smem = L.SmemLayouts(self.dtype, mmas, self.stages)
@@ -161,7 +172,8 @@ class FlashAttentionBackwardSm100:
         batches = mCuQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mK.shape[3]
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            mLSE2, mD, mdQacc, mdK, mdV, mSeqused, mCuQ, mCuK, scale_log2, scale, left, right, seqlen_q, seqlen_k,
+            mLSE2, mD, mdQacc, mdK, mdV, mSem, mSeqused, mCuQ, mCuK, scale_log2, scale, left, right, seqlen_q,
+            seqlen_k,
         ).launch(
             grid=(kv_tiles, mK.shape[2], batches), block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
@@ -183,6 +195,7 @@ class FlashAttentionBackwardSm100:
         mdQacc: cute.Tensor,  # (rows, d, heads, batch) fp32
         mdK: cute.Tensor,  # (seqlen_k, d, kv_heads, batch)
         mdV: cute.Tensor,
+        mSem: cute.Tensor,
         mSeqused: cute.Tensor,
         mCuQ: cute.Tensor,
         mCuK: cute.Tensor,
@@ -248,7 +261,7 @@ class FlashAttentionBackwardSm100:
         if warp_idx < COMPUTE_THREADS // 32:
             self.compute(mLSE2, mD, mdQacc, mdK, mdV, sdS_rows, sStats, tmem, tmem_barrier, scores_consumer,
                          probs_producer, dq_consumer, done_consumer, scale_log2, scale, left, right, work, k_rows,
-                         tidx)
+                         tidx, mSem, batch)
 
     # ---- TMA warp -----------------------------------------------------------------------
 
@@ -343,7 +356,7 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def compute(self, mLSE2, mD, mdQacc, mdK, mdV, sdS_rows, sStats, tmem, tmem_barrier, scores_consumer,
                 probs_producer, dq_consumer, done_consumer, scale_log2, scale, left, right, work: Visits, k_rows,
-                tidx):
+                tidx, mSem, batch):
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         seqlen_q, seqlen_k = work.seqlen_q, work.seqlen_k
         tmem.wait_for_alloc()
@@ -419,6 +432,9 @@ class FlashAttentionBackwardSm100:
             dq = dq_consumer.wait_and_advance()
             fence_after_thread_sync()
             gdQ = mdQacc[None, None, head]  # (rows, d)
+            if cutlass.const_expr(self.deterministic):
+                turns = mSem[batch, head, None].iterator + m_block
+                self.wait_turn(turns, work, m_block, left, tidx)
             for c in cutlass.range_constexpr(cute.size(tdQ, mode=[4])):
                 cute.copy(dq_load, tdQ[None, None, None, 0, c], rdQ[None, None, None, 0, c])
                 cute.arch.fence_view_async_tmem_load()
@@ -434,12 +450,36 @@ class FlashAttentionBackwardSm100:
                     cute.arch.red(ptr, r_c[i] * scale, op="add", dtype="f32", sem="relaxed", scope="gpu")
                     ptr = ptr + gdQ.layout.stride[0]
 
+            if cutlass.const_expr(self.deterministic):
+                self.pass_turn(turns, tidx)
+
         # ---- epilogue: key t's rows of dK (scaled) and dV, or zeros without a visit -----------
         self.store_rows(mdK, L.grads_region(mmas, L.DK_COL).at(base), scale, done_consumer, work, k_rows, tidx,
                         first=True)
         self.store_rows(mdV, L.grads_region(mmas, L.DV_COL).at(base), Float32(1.0), done_consumer, work, k_rows,
                         tidx, first=False)
         tmem_barrier.arrive()
+
+    @cute.jit
+    def wait_turn(self, turns, work: Visits, m_block, left, tidx):
+        """(deterministic) Until the KV tiles before this one that visit Q tile ``m_block`` have
+        added their dQ: thread 0 polls the counter (acquire), the compute threads meet it."""
+        if tidx == 0:
+            mine = work.n_block - first_kv_tile(m_block, self.tile_n, self.tile_m, work.seqlen_q, work.seqlen_k,
+                                                left, self.has_left)
+            seen = cute.arch.load(turns, Int32, sem="acquire", scope="gpu")
+            while seen != mine:
+                seen = cute.arch.load(turns, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=TURN_BARRIER_ID, number_of_threads=COMPUTE_THREADS)
+
+    @cute.jit
+    def pass_turn(self, turns, tidx):
+        """(deterministic) Every compute thread's dQ adds fenced at gpu scope, then thread 0 hands
+        the Q tile to the next KV tile (release)."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=TURN_BARRIER_ID, number_of_threads=COMPUTE_THREADS)
+        if tidx == 0:
+            cute.arch.atomic_add(turns, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def probabilities(self, rS, rdP, cS, p_vals, ds_vals, sStats, slot, q_first, q_last, scale_log2):
