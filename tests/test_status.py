@@ -73,6 +73,22 @@ def test_each_stage_evidence_goes_stale_with_its_own_files_only(tmp_path):
     assert report.stale_groups(rep, tmp_path) == ["none"]
 
 
+def test_a_stage_name_in_a_string_does_not_join_the_stage(tmp_path):
+    """A test file joins stage p's scope by marking tests ``stage_p``, not by naming it in a string
+    (a test of the session's selection expression, as tests/test_status.py has, is no test of
+    p): what that file imports stays out of p's scope. Control: the same file with the mark
+    joins, and brings its import."""
+    from dsv4_attention.common import scope
+
+    _tree(tmp_path)
+    (tmp_path / "tests" / "test_harness.py").write_text(
+        "from dsv4_attention.common import other\n\ndef test_x():\n    assert 'stage_p or stage_q'\n")
+    assert "common/other.py" not in scope.scope("p", "tests", tmp_path)
+    (tmp_path / "tests" / "test_harness.py").write_text(
+        "import pytest\nfrom dsv4_attention.common import other\n\n@pytest.mark.stage_p\ndef test_x():\n    pass\n")
+    assert "common/other.py" in scope.scope("p", "tests", tmp_path)
+
+
 def test_bench_scope_follows_the_benchmark_modules(tmp_path):
     """A group's function defined in a tools/bench_*.py module (the registry imports it): its own
     imports and those of a helper it imports from a sibling module are in the group's bench scope;

@@ -5,7 +5,9 @@ A stage's results in it stay true while the files its tests and benchmarks execu
 whatever else changes. This module finds those files statically, importing nothing (the status
 render runs in CI, without a GPU or the DSL's import time):
 
-    tests of stage G   the files of G's package, the test files that mark tests ``stage_G``, and
+    tests of stage G   the files of G's package, the test files that mark tests ``stage_G``
+                       (``pytest.mark.stage_G`` in the code, not the name in a string: a test
+                       of the session's selection expressions is not stage G's), and
                        tests/conftest.py
     bench of stage G   the files of G's package and the imports of G's function (``BENCHES[G]``
                        in tools/bench.py, defined in a tools/bench_*.py module) and of every
@@ -262,9 +264,8 @@ def _scope(group: str, kind: str, root: pathlib.Path, stamps: tuple) -> tuple:
     folder = stage_folder(group, root)
     seeds = {p: NORMAL for p in sorted(folder.glob("*.py"))}
     if kind == "tests":
-        marker = re.compile(rf"\bstage_{re.escape(group)}\b")
         for t in sorted((root / "tests").glob("test_*.py")):
-            if marker.search(t.read_text()):
+            if marks_stage(t, group):
                 seeds[t] = NORMAL
         seeds[root / "tests" / "conftest.py"] = NORMAL
     elif kind == "bench":
@@ -273,6 +274,20 @@ def _scope(group: str, kind: str, root: pathlib.Path, stamps: tuple) -> tuple:
         raise ValueError(f"kind must be 'tests' or 'bench'; got {kind!r}")
     inside = set(all_sources(root))
     return tuple(sorted(f for f in closure(seeds, root) if f in inside))
+
+
+def marks_stage(path: pathlib.Path, group: str) -> bool:
+    """Whether the test file marks tests ``stage_<group>``: an attribute ``mark.stage_<group>``
+    (``pytest.mark.stage_x``, or ``mark.stage_x`` after ``from pytest import mark``) anywhere in
+    its code."""
+    name = f"stage_{group}"
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Attribute) and node.attr == name:
+            owner = node.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "mark") or \
+                    (isinstance(owner, ast.Name) and owner.id == "mark"):
+                return True
+    return False
 
 
 def stage_ids(root: pathlib.Path = ROOT) -> list:
