@@ -54,3 +54,19 @@ def request_rows(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch, grou
     unpacked). Both architectures' ``request_views`` offset their views by these."""
     q0, k0 = mCuSeqlensQ[batch], mCuSeqlensK[batch]
     return q0 * group, k0, (mCuSeqlensQ[batch + 1] - q0) * group, mCuSeqlensK[batch + 1] - k0
+
+
+def with_row_vectors(t: cute.Tensor, elems: int = 8) -> cute.Tensor:
+    """``t`` with each dynamic stride declared a multiple of ``elems`` (unit strides kept), so that
+    ``elems`` consecutive elements of a row form one aligned vector (8 16-bit values: 16 bytes).
+    For the caller to guarantee: the sm100 epilogues' O (``sm100_correction.o_row_smem_to_gmem``;
+    TMA, their other O store, requires 16-byte-aligned strides too), stage F's dK / dV and its
+    preprocess's O and dO, all contiguous with a head dim that is a multiple of 8, as the hosts
+    check."""
+
+    def declared(stride):
+        if isinstance(stride, tuple):
+            return tuple(declared(s) for s in stride)
+        return stride if isinstance(stride, int) else cute.assume(stride, divby=elems)
+
+    return cute.make_tensor(t.iterator, cute.make_layout(t.layout.shape, stride=declared(t.layout.stride)))

@@ -69,18 +69,3 @@ def o_row_smem_to_gmem(tTR_sO: cute.Tensor, tTR_gO: cute.Tensor):
         g_vec = cute.zipped_divide(cute.coalesce(tTR_gO[None, None, None, 0, c]), (O_VEC,))
         for v in cutlass.range_constexpr(cute.size(s_vec, mode=[1])):
             cute.copy(copy_atom, s_vec[None, v], g_vec[None, v])
-
-
-def with_row_vectors(t: cute.Tensor, elems: int = O_VEC) -> cute.Tensor:
-    """``t`` with each dynamic stride declared a multiple of ``elems`` (unit strides kept), so that
-    ``elems`` consecutive elements of a row form one aligned vector: what ``o_row_smem_to_gmem``'s
-    16-byte stores need. True of every O the kernels take: TMA (their other O store) requires
-    16-byte-aligned strides and base, and the callers pass contiguous O with a head dim that is a
-    multiple of 64."""
-
-    def declared(stride):
-        if isinstance(stride, tuple):
-            return tuple(declared(s) for s in stride)
-        return stride if isinstance(stride, int) else cute.assume(stride, divby=elems)
-
-    return cute.make_tensor(t.iterator, cute.make_layout(t.layout.shape, stride=declared(t.layout.stride)))

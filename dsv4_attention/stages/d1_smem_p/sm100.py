@@ -179,13 +179,12 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from dsv4_attention.common.kv_span import KvSpan
-from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major
+from dsv4_attention.common.layouts import check_attention_operands, reorder, seq_major, with_row_vectors
 from dsv4_attention.common.pack_heads import rows
 from dsv4_attention.common.sm100_correction import (
     o_row_smem_to_gmem,
     o_row_to_smem,
     rescale_o_row,
-    with_row_vectors,
 )
 from dsv4_attention.common.sm100_smem_p import (
     KvBlockRing,

@@ -31,7 +31,7 @@ import torch
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
 from dsv4_attention.common.bench import visible_pairs
-from dsv4_attention.common.interface import MAX_GRID_YZ, check_varlen_shapes
+from dsv4_attention.common.interface import LOG2E, MAX_GRID_YZ, check_varlen_shapes
 from dsv4_attention.common.validation import (
     check_cu_seqlens,
     check_out,
@@ -60,7 +60,6 @@ KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackward
 SM100_HEAD_DIMS = (128,)
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
-LOG2E = math.log2(math.e)
 
 make_kernel = jit.kernel_maker(KERNELS)
 

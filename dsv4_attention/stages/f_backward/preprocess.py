@@ -11,8 +11,7 @@ import torch
 
 from dsv4_attention.common import jit
 from dsv4_attention.common.arch import arch_of_device
-
-LOG2E = math.log2(math.e)
+from dsv4_attention.common.interface import LOG2E
 
 #: the preprocess kernel, architecture-neutral (loads, shuffles and stores)
 PREPROCESS_KERNELS = {"sm90": "dsv4_attention.stages.f_backward.preprocess_kernel:BackwardPreprocess",

@@ -22,16 +22,14 @@ by a butterfly over the G lanes; the group's first lane writes D and LSE2. 128 t
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 
-from dsv4_attention.common.sm100_correction import with_row_vectors
+from dsv4_attention.common.layouts import with_row_vectors
+from dsv4_attention.stages.f_backward.preprocess import LOG2E
 
 THREADS = 128
 VEC = 8  # 16-bit values a thread loads at once (16 bytes)
-LOG2E = math.log2(math.e)
 
 
 def _fadd(a, b):

@@ -57,7 +57,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from dsv4_attention.common.sm100_correction import with_row_vectors
+from dsv4_attention.common.layouts import with_row_vectors
 from dsv4_attention.common.tmem import (
     EPI_COLS,
     epi_view,
