@@ -89,6 +89,27 @@ def test_a_stage_name_in_a_string_does_not_join_the_stage(tmp_path):
     assert "common/other.py" in scope.scope("p", "tests", tmp_path)
 
 
+def test_evidence_of_a_wider_scope_stays_current_when_the_scope_narrows(tmp_path):
+    """A record holding more files than the stage's scope now (a test file no longer marked for
+    the stage) still describes the code: every file of the scope ran with its hash. Control: a
+    scope that widens past the record (a newly marked test file's import) is stale."""
+    from dsv4_attention.common import report
+
+    _tree(tmp_path)
+    extra = tmp_path / "tests" / "test_extra.py"
+    extra.write_text(
+        "import pytest\nfrom dsv4_attention.common import other\n\n@pytest.mark.stage_p\ndef test_x():\n    pass\n")
+    rep = {"sources": report.sources(tmp_path), "date": "1"}
+    report.add_tests(rep, _summary("p", 3), "all", ["p"], tmp_path)
+    assert "common/other.py" in rep["parts"]["p"]["all"]["sources"]
+    extra.write_text("from dsv4_attention.common import other\n\ndef test_x():\n    pass\n")
+    assert report.test_state(rep, "p", tmp_path)[0] == "current"
+    (tmp_path / "common" / "new.py").write_text("W = 1\n")
+    (tmp_path / "tests" / "test_more.py").write_text(
+        "import pytest\nfrom dsv4_attention.common import new\npytestmark = pytest.mark.stage_p\n")
+    assert report.test_state(rep, "p", tmp_path)[0] == "stale"
+
+
 def test_bench_scope_follows_the_benchmark_modules(tmp_path):
     """A group's function defined in a tools/bench_*.py module (the registry imports it): its own
     imports and those of a helper it imports from a sibling module are in the group's bench scope;
