@@ -709,7 +709,6 @@ COMPILE_CASES = (
     + [("bfloat16", 384, {"p_in_smem": False})]  # TMEM-P at its widest (S 128 + O 384 = 512 columns)
     + [("bfloat16", 512, {"kv_shared": True}), ("bfloat16", 128, {"kv_shared": True})]
     + [("float16", 512, {"kv_shared": True})]  # fp16: the same code but the element type, once
-
 )
 
 

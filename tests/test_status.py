@@ -110,6 +110,24 @@ def test_evidence_of_a_wider_scope_stays_current_when_the_scope_narrows(tmp_path
     assert report.test_state(rep, "p", tmp_path)[0] == "stale"
 
 
+def test_stale_reasons_name_only_files_of_todays_scope(tmp_path):
+    """The status page's reason for stale evidence lists the files of the stage's scope that the
+    record does not cover, not files the record holds beyond today's scope (changed or not).
+    Control: a changed file of the scope is named."""
+    from dsv4_attention.common import report
+    from tools import status
+
+    _tree(tmp_path)
+    extra = tmp_path / "tests" / "test_extra.py"
+    extra.write_text("import pytest\nfrom dsv4_attention.common import other\npytestmark = pytest.mark.stage_p\n")
+    rep = {"sources": report.sources(tmp_path), "date": "1"}
+    report.add_tests(rep, _summary("p", 3), "all", ["p"], tmp_path)
+    extra.write_text("from dsv4_attention.common import other\n")  # other.py leaves p's scope
+    (tmp_path / "common" / "other.py").write_text("Y = 3\n")
+    (tmp_path / "stages" / "p_one" / "sm90.py").write_text("from dsv4_attention.common import shared  # changed\n")
+    assert status._changed(rep, "p", ["all"], tmp_path) == "stages/p_one/sm90.py"
+
+
 def test_bench_scope_follows_the_benchmark_modules(tmp_path):
     """A group's function defined in a tools/bench_*.py module (the registry imports it): its own
     imports and those of a helper it imports from a sibling module are in the group's bench scope;

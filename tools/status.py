@@ -68,11 +68,13 @@ def _session_failed(rep: dict) -> int:
     return failed
 
 
-def _changed(rep: dict, stage: str, parts) -> str:
+def _changed(rep: dict, stage: str, parts, root=report.ROOT) -> str:
     """The files of the stage's scope that changed since its chosen parts ran (the first three)."""
-    now = report.scoped(report.sources(), stage)
-    files = sorted({f for p in parts for f, h in rep["parts"][stage][p]["sources"].items() if now.get(f) != h}
-                   | {f for p in parts for f in now if f not in rep["parts"][stage][p]["sources"]})
+    now = report.scoped(report.sources(root), stage, "tests", root)
+    # the files of today's scope the record does not cover (``report.covers``, file by file): files
+    # the record holds beyond today's scope are no reason
+    files = sorted({f for p in parts for f, h in now.items()
+                    if not report.covers(rep["parts"][stage][p]["sources"], {f: h})})
     return ", ".join(files[:3]) + (f" (+{len(files) - 3})" if len(files) > 3 else "") if files else "code"
 
 
