@@ -12,6 +12,7 @@ Only where no GPU is present: on a GPU machine the patched tensors would reach a
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import pytest
 import torch
@@ -65,7 +66,8 @@ CASES = {  # stage, head_dim, kernel options, argument options
     "d3-varlen": ("d3", 128, {"kv_shared": True, "varlen": True}, {"varlen": True}),
     "d4-seqused-window": ("d4", 128, {"kv_shared": True, "seqused_k": True, "has_left": True, "has_right": True},
                           {"seqused": True, "left": 127, "right": 0}),
-    "e-hca-sink": ("e", 512, {"kv_shared": True, "pack_group": 8, "has_left": True, "has_right": True,
+    # hd 128 (a third of hd 512's compile; the wrapper's checks do not depend on it), hd 512 below
+    "e-hca-sink": ("e", 128, {"kv_shared": True, "pack_group": 8, "has_left": True, "has_right": True,
                               "has_sink": True, "has_compressed": True},
                    {"compressed": True, "sink": True, "left": 127, "right": 0, "kv_start": 4000}),
     "e-topk": ("e", 512, {"kv_shared": True, "pack_group": 128, "has_left": True, "has_right": True,
@@ -74,6 +76,7 @@ CASES = {  # stage, head_dim, kernel options, argument options
 }
 
 
+@functools.cache
 def compiled(name):
     from dsv4_attention import stages
     from dsv4_attention.common import jit, kernel_cache
@@ -117,15 +120,15 @@ def test_wrapper_refuses_what_the_kernel_was_not_compiled_for():
     fn, args = compiled("e-hca-sink")
     from dsv4_attention.common import jit
 
-    wrong_dtype = lambda v: v.__setitem__(0, fake_cuda(torch.empty(2, 5, 8, 512, dtype=torch.float16)))  # noqa: E731
+    wrong_dtype = lambda v: v.__setitem__(0, fake_cuda(torch.empty(2, 5, 8, 128, dtype=torch.float16)))  # noqa: E731
     assert not accepted(call(fn, args, wrong_dtype))
     # a bundle's field is checked too: the compressed entries in the wrong dtype
     wrong_entries = lambda v: v.__setitem__(9, v[9]._replace(  # noqa: E731
-        compressed=fake_cuda(torch.empty(2, 40, 1, 512, dtype=torch.float16))))
+        compressed=fake_cuda(torch.empty(2, 40, 1, 128, dtype=torch.float16))))
     assert not accepted(call(fn, args, wrong_entries))
     assert jit.call_args(args)[6].seqused_k is None  # D3's Lengths: seqused_k compiled as None
     not_none = lambda v: v.__setitem__(6, v[6]._replace(seqused_k=fake_cuda(torch.zeros(2, dtype=torch.int32))))  # noqa: E731
     assert not accepted(call(fn, args, not_none))
-    misaligned = lambda v: v.__setitem__(0, fake_cuda(torch.empty(2 * 5 * 8 * 512 + 8, dtype=torch.bfloat16)[1:]  # noqa: E731
-                                                      .view(-1)[: 2 * 5 * 8 * 512].view(2, 5, 8, 512)))
+    misaligned = lambda v: v.__setitem__(0, fake_cuda(torch.empty(2 * 5 * 8 * 128 + 8, dtype=torch.bfloat16)[1:]  # noqa: E731
+                                                      .view(-1)[: 2 * 5 * 8 * 128].view(2, 5, 8, 128)))
     assert not accepted(call(fn, args, misaligned))
