@@ -53,9 +53,9 @@ SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA, sm90 and sm100
 TMEM_COLUMNS = 512
 COMPILE_BUDGET_S = 30.0  # seconds of one compile on a core of its own, file cache off (the brief's bound)
 #: CPU seconds of one compile (this process and its children): what the compile costs whatever else
-#: the machine runs. The same bound: CI's machine is about as fast as a developer's, and its E hd 512
-#: compiles take 22-25 s of CPU (2026-11-29).
+#: the machine runs (the figures: docs/history.md).
 COMPILE_CPU_BUDGET_S = 30.0
+
 
 @dataclasses.dataclass
 class CompileReport:
