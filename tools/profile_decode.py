@@ -10,7 +10,10 @@
 
 FlashMLA's ``with_kvcache_sparse`` is timed alike where the device pack's ``flashmla_peer`` imports.
 
-    python -m tools.profile_decode [--configs 1,2] [--batches 2,64]
+``--cprofile N`` also prints, for each of our calls, the N functions of the host path with the
+most cumulative time over 200 calls (``cProfile``), to name where the host time goes.
+
+    python -m tools.profile_decode [--configs 1,2] [--batches 2,64] [--cprofile 25]
 """
 
 from __future__ import annotations
@@ -34,6 +37,21 @@ def host_us(call, n: int = 50) -> float:
     return statistics.median(out)
 
 
+def host_profile(call, top: int, n: int = 200) -> None:
+    """The ``top`` functions of ``n`` calls by cumulative time, the GPU synchronised before."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+
+
 def kernels_of(call) -> list:
     """[(kernel name, GPU microseconds)] of one call, in launch order."""
     from torch.profiler import ProfilerActivity, profile
@@ -55,6 +73,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="1,2")
     ap.add_argument("--batches", default="2,64")
+    ap.add_argument("--cprofile", type=int, default=0)
     a = ap.parse_args(argv)
     dev = torch.device("cuda", 0)
     try:
@@ -82,6 +101,8 @@ def main(argv=None) -> int:
                       f"{len(ks)} kernels {sum(t for _, t in ks):.1f} us of GPU", flush=True)
                 for k, t in ks:
                     print(f"    {t:8.1f} us  {k[:110]}")
+                if a.cprofile and name == "ours":
+                    host_profile(call, a.cprofile)
             del q, win, win_idx, kw, calls
             torch.cuda.empty_cache()
     return 0
