@@ -43,7 +43,12 @@ for g in $(seq 0 $(( gpus - 1 ))); do
   pids+=($!)
 done
 wait "${pids[@]}"
-[ "${DRY_RUN:-0}" = 1 ] && { cat "$logs"/*.log 2>/dev/null; echo "workers: $PYTEST_WORKERS a lane, $per_gpu lane(s) a GPU"; exit 0; }
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  cat "$logs"/*.log 2>/dev/null
+  echo "workers: $PYTEST_WORKERS a lane, $per_gpu lane(s) a GPU"
+  rm -rf "$logs"
+  exit 0
+fi
 for k in $(seq 0 $(( ${#lanes[@]} - 1 ))); do
   cp "$logs"/l$k/*-run.json "$out/lane$k.json" 2>/dev/null || echo "lane $k wrote no report"
   tail -n 4 "$logs/l$k.log" | cut -c1-300
