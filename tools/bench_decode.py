@@ -175,6 +175,17 @@ def fp8_decode_step(dev, config: int, b: int):
     return q, win, win_idx, kw
 
 
+def flashmla_decode(fm, q, win, win_idx, kw: dict):
+    """FlashMLA's FP8 decode (the device pack's ``with_kvcache_sparse``, module ``fm``) on the
+    arguments of ``e_fused.decode(q, win, win_idx, **kw)``, with a ``sched_meta`` of its own: the
+    call to time beside ours (every optional argument of ``kw`` it lacks is FlashMLA's default)."""
+    meta = fm.FlashMLASchedMeta()
+    return lambda: fm.with_kvcache_sparse(q, win, win_idx, kw.get("topk_length"), kw.get("attn_sink"),
+                                          kw.get("extra_k_cache"), kw.get("extra_indices"),
+                                          kw.get("extra_topk_length"), softmax_scale=kw.get("softmax_scale"),
+                                          sched_meta=meta)
+
+
 def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
     """FlashMLA's MODEL1 CONFIG ``config`` decode step at batch ``b``: our ``e_fused.decode`` and
     FlashMLA's ``flash_mla_with_kvcache`` (the device pack's ``with_kvcache_sparse``) on the same
@@ -185,8 +196,7 @@ def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
 
     heads, s_q, w_tokens, w_topk, w_page, x_tokens, x_topk, x_page, x_len = FP8_CONFIGS[config]
     q, win, win_idx, kw = fp8_decode_step(dev, config, b)
-    sink, ext, ext_idx, ext_len, scale = (kw[k] for k in ("attn_sink", "extra_k_cache", "extra_indices",
-                                                          "extra_topk_length", "softmax_scale"))
+    ext_idx, ext_len = kw["extra_indices"], kw["extra_topk_length"]
     attended = b * s_q * w_topk + (int(ext_len.sum()) * s_q if x_len else b * s_q * x_topk)
     flop = 2 * heads * attended * (512 + 512)
     distinct = sum(int(i[i >= 0].unique().numel()) for i in (win_idx, ext_idx))
@@ -203,9 +213,7 @@ def fp8_decode_row(dev, config: int, b: int, copy: float) -> dict:
     try:
         import flashmla_peer as fm  # pyright: ignore[reportMissingImports] (GPU peer)
 
-        meta = fm.FlashMLASchedMeta()
-        peer = lambda: fm.with_kvcache_sparse(q, win, win_idx, None, sink, ext, ext_idx, ext_len,  # noqa: E731
-                                              softmax_scale=scale, sched_meta=meta)
+        peer = flashmla_decode(fm, q, win, win_idx, kw)
         o_peer, _ = peer()
         row["max_abs_diff_vs_flashmla"] = float((o_peer.float() - o.float()).abs().max())
         add_peer(row, "flashmla", graph_ms([peer]), flop)

@@ -195,7 +195,7 @@ def run_dsv4() -> int:
         float64 reference on the dequantized caches, timed eager and replayed from a CUDA graph (as an
         engine runs decode), each beside FlashMLA's decode timed alike."""
         from dsv4_attention.common import kv_cache
-        from tools.bench_decode import fp8_cache
+        from tools.bench_decode import flashmla_decode, fp8_cache
 
         win, win_idx = fp8_cache(dev, b, s_q, 4096, 256, 128, g)
         ext, ext_idx = fp8_cache(dev, b, s_q, 4096, extra_page, extra_topk, g)
@@ -216,9 +216,7 @@ def run_dsv4() -> int:
         try:
             import flashmla_peer  # pyright: ignore[reportMissingImports] (the device pack's FlashMLA)
 
-            meta = flashmla_peer.FlashMLASchedMeta()
-            peer = lambda: flashmla_peer.with_kvcache_sparse(q, win, win_idx, None, sink, ext, ext_idx,  # noqa: E731
-                                                              sched_meta=meta)
+            peer = flashmla_decode(flashmla_peer, q, win, win_idx, kw)
             peer()
             peer_ms, peer_graph = bench.time_ms([peer]), graph_ms([peer])
             extra = (f"{replayed}, FlashMLA's {peer_graph:.3f} ms: {ours_graph / peer_graph:.2f}x)  "

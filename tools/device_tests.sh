@@ -8,7 +8,8 @@
 # on one GPU `DEVICE_TEST_SHARDS=4 DEVICE_TEST_PARTS="1 2" DEVICE_TEST_CONFORMANCE=0`, then
 # `DEVICE_TEST_SHARDS=4 DEVICE_TEST_PARTS="3 4"` (a part took 4-6 minutes on a 4-GPU H200 machine and
 # 8.5 minutes on a one-GPU H200 machine of 16 cores, 2026-11-29: four parts there exceed a session's
-# 30 minutes; `gpu_report --tests stage --stage X` runs one stage's tests and those of no stage, 5 min).
+# 30 minutes; `gpu_report --tests stage --stage X` runs one stage's tests and those of no stage, 5 min;
+# tools/device_stages.sh runs such stage groups side by side, one GPU each: the 2-GPU renewal).
 # Environment: DEVICE_TEST_SHARDS (N; default: GPUs - 1, at least 1), DEVICE_TEST_PARTS (which of
 # 1..N this call runs; default all), DEVICE_TEST_CONFORMANCE (1: run it, default), DRY_RUN=1
 # (print the commands only).

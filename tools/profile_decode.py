@@ -2,11 +2,11 @@
 (``tools.bench_decode.fp8_decode_step``) at small and large batch, each call timed four ways:
 
 - ``eager``: CUDA events around the call, median (host work the GPU waits for included);
-- ``host``: the call's own CPU time with the GPU left to run (``time.perf_counter`` around the
-  call alone, no synchronisation inside: validation, planning, argument packing, launches);
+- ``host``: the call's own CPU time (``tools.host_breakdown.host_us_per_call``: the fastest of 9
+  loops of 300 calls, the GPU left to run: validation, planning, argument packing, launches);
 - ``graph``: replayed from a CUDA graph (``graph_ms``: the kernels only);
-- and the CUDA kernels one call launches, with their GPU time (``torch.profiler``), so a gap
-  between ``eager`` and ``graph`` is named: host time the GPU waited for, or extra kernels.
+- and the CUDA kernels one call launches, with their GPU time (``tools.profile_e.kernel_times``),
+  so a gap between ``eager`` and ``graph`` is named: host time the GPU waited for, or extra kernels.
 
 FlashMLA's ``with_kvcache_sparse`` is timed alike where the device pack's ``flashmla_peer`` imports.
 
@@ -19,22 +19,8 @@ most cumulative time over 200 calls (``cProfile``), to name where the host time 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-
-
-def host_us(call, n: int = 50) -> float:
-    """Median CPU microseconds of one call, the GPU not waited for (synchronised between calls)."""
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        out.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def host_profile(call, top: int, n: int = 200) -> None:
@@ -52,23 +38,13 @@ def host_profile(call, top: int, n: int = 200) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
 
 
-def kernels_of(call) -> list:
-    """[(kernel name, GPU microseconds)] of one call, in launch order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
-
-
 def main(argv=None) -> int:
     from dsv4_attention.common import bench
     from dsv4_attention.stages import e_fused
-    from tools.bench_decode import fp8_decode_step
+    from tools.bench_decode import flashmla_decode, fp8_decode_step
     from tools.bench_stages import graph_ms
+    from tools.host_breakdown import host_us_per_call
+    from tools.profile_e import kernel_times
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="1,2")
@@ -85,22 +61,17 @@ def main(argv=None) -> int:
             q, win, win_idx, kw = fp8_decode_step(dev, config, b)
             calls = {"ours": lambda q=q, win=win, win_idx=win_idx, kw=kw: e_fused.decode(q, win, win_idx, **kw)}
             if flashmla_peer is not None:
-                meta = flashmla_peer.FlashMLASchedMeta()
-                calls["flashmla"] = (lambda q=q, win=win, win_idx=win_idx, kw=kw, meta=meta:
-                                     flashmla_peer.with_kvcache_sparse(
-                                         q, win, win_idx, None, kw["attn_sink"], kw["extra_k_cache"],
-                                         kw["extra_indices"], kw["extra_topk_length"],
-                                         softmax_scale=kw["softmax_scale"], sched_meta=meta))
+                calls["flashmla"] = flashmla_decode(flashmla_peer, q, win, win_idx, kw)
             for name, call in calls.items():
                 call()
                 eager = bench.time_ms([call]) * 1e3
-                host = host_us(call)
+                host = host_us_per_call(call)
                 graph = graph_ms([call]) * 1e3
-                ks = kernels_of(call)
+                ks = kernel_times(call)
                 print(f"CONFIG{config} b{b} {name}: eager {eager:.1f} us, host {host:.1f} us, graph {graph:.1f} us, "
-                      f"{len(ks)} kernels {sum(t for _, t in ks):.1f} us of GPU", flush=True)
-                for k, t in ks:
-                    print(f"    {t:8.1f} us  {k[:110]}")
+                      f"{sum(n for _, n, _ in ks)} kernels {sum(t for _, _, t in ks):.1f} us of GPU", flush=True)
+                for k, n, t in ks:
+                    print(f"    {t:8.1f} us  x{n}  {k}")
                 if a.cprofile and name == "ours":
                     host_profile(call, a.cprofile)
             del q, win, win_idx, kw, calls
