@@ -29,6 +29,27 @@ def coords(part) -> list[tuple[int, int]]:
     return out
 
 
+def stat_failures(s_coords: list, view: list, axis: int) -> list:
+    """Where a statistics view of an accumulator fails: ``view[s][j]`` is the register of
+    statistic s's j-th value, ``s_coords[t]`` thread t's (m, n) per register. Each statistic's
+    values must share one coordinate on ``axis`` (the row a softmax statistic scales: 0 for rows,
+    1 for a transposed tile's columns), the statistics' coordinates be distinct, and the view
+    cover each register once."""
+    bad = []
+    if sorted(i for row in view for i in row) != list(range(len(s_coords[0]))):
+        bad.append("the view does not cover each value once")
+    for t, values in enumerate(s_coords):
+        owners = []
+        for s, row in enumerate(view):
+            at = {values[i][axis] for i in row}
+            if len(at) != 1:
+                bad.append((t, s, sorted(at)))
+            owners.append(min(at))
+        if len(set(owners)) != len(owners):
+            bad.append((t, "statistics repeat a row"))
+    return bad
+
+
 def kblock_strided(acc_layout):
     """k-block j = column octets (j, j + v/2): the octet mode split (v/2, 2), not (2, v/2)."""
     (c, r, v), m, n = acc_layout.shape

@@ -239,6 +239,69 @@ def test_decode_replays_in_a_cuda_graph(arch, one_launch):
     assert torch.equal(o_g, o) and torch.equal(lse_g, lse)
 
 
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["h64-top128+512p64", "h64-top128+1024p2-len"])
+def test_decode_schedule_replays_the_full_path(arch, case, monkeypatch):
+    """A ``DecodeSchedule`` recorded by the first step replays the next ones (new q, caches, lists
+    and lengths, in new tensors of the same shapes) bit for bit as the full path computes them,
+    without the full path (index_launch not called); a step of another batch records anew; a call
+    that reads its lists on the host (check_indices=True) is never recorded and still right."""
+    heads, s_q, w_topk, x_topk, x_page, lengths = case
+    g = fresh_generator()
+    schedule = stage.DecodeSchedule()
+    launches = []
+    full_launch = stage.index_launch
+    monkeypatch.setattr(stage, "index_launch", lambda *a, **k: launches.append(1) or full_launch(*a, **k))
+
+    def one_step(batch):
+        win, _, win_idx = paged_cache(batch, s_q, 600, 256, w_topk, g)
+        ext, _, ext_idx = paged_cache(batch, s_q, x_topk + 300, x_page, x_topk, g)
+        length = torch.randint(0, x_topk + 1, (batch,), generator=g, dtype=torch.int32).cuda() if lengths else None
+        q = torch.randn(batch, s_q, heads, 512, generator=g).to(torch.bfloat16).cuda()
+        kw = {"attn_sink": torch.randn(heads, generator=g).cuda(), "extra_k_cache": ext, "extra_indices": ext_idx,
+              "extra_topk_length": length, "check_indices": False}
+        return q, win, win_idx, kw
+
+    for i, batch in enumerate([5, 5, 5, 7, 7]):
+        q, win, win_idx, kw = one_step(batch)
+        o_full, lse_full = stage.decode(q, win, win_idx, **kw)
+        before = len(launches)
+        o, lse = stage.decode(q, win, win_idx, sched_meta=schedule, **kw)
+        replayed = len(launches) == before
+        assert replayed == (i not in (0, 3)), (i, batch)  # recorded at the first step of each batch size
+        assert schedule.plan is not None
+        assert torch.equal(o, o_full) and torch.equal(lse, lse_full), (i, batch)
+        assert o.shape == (batch, s_q, heads, 512) and lse.shape == (batch, heads, s_q)
+    checked = {**kw, "check_indices": True}
+    fresh = stage.DecodeSchedule()
+    o, lse = stage.decode(q, win, win_idx, sched_meta=fresh, **checked)
+    assert fresh.plan is None and torch.equal(o, o_full) and torch.equal(lse, lse_full)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_decode_schedule_replays_in_a_cuda_graph(arch):
+    """A scheduled step captured in a graph (recorded before the capture) replays the eager step's
+    bits after q and the cache change in place."""
+    g = fresh_generator()
+    batch, s_q, heads = 4, 2, 128
+    win, _, win_idx = paged_cache(batch, s_q, 600, 256, 128, g)
+    ext, _, ext_idx = paged_cache(batch, s_q, 1324, 64, 1024, g)
+    q = torch.randn(batch, s_q, heads, 512, generator=g).to(torch.bfloat16).cuda()
+    schedule = stage.DecodeSchedule()
+    kw = {"attn_sink": torch.randn(heads, generator=g).cuda(), "extra_k_cache": ext, "extra_indices": ext_idx,
+          "check_indices": False, "sched_meta": schedule}
+    stage.decode(q, win, win_idx, **kw)  # compiles and records outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = stage.decode(q, win, win_idx, **kw)
+    fresh = (torch.randn(win.shape[0], win.shape[1], 1, 512, generator=g) / 4).to(torch.bfloat16)
+    win.copy_(kc.quantize_kv_cache(fresh.cuda()))
+    q.copy_(torch.randn(batch, s_q, heads, 512, generator=g).to(torch.bfloat16).cuda())
+    graph.replay()
+    o, lse = stage.decode(q, win, win_idx, **{**kw, "sched_meta": None})
+    assert torch.equal(o_g, o) and torch.equal(lse_g, lse)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_refuses_bad_input(arch):
     g = fresh_generator()

@@ -122,3 +122,19 @@ def test_preprocess_compiles_with_vector_loads(arch):
             assert loads.count("ld.global.v4.b32") == 2 * (head_dim // 8 // min(32, head_dim // 8)), loads
     with pytest.raises(ValueError, match="head dims"):
         BackwardPreprocess(jit.cutlass_dtype(torch.bfloat16), 320)
+
+
+@pytest.mark.compile
+@pytest.mark.arch("sm90")
+def test_index_kernel_compiles_within_budget():
+    """Index mode's backward kernel (stages/f_backward/sm90_index.py, reached by the ``index_mode``
+    option): within the budgets, no spill, its SMEM (Q, dO, a step's rows, two slots of P and dS:
+    230400 bytes) within the limit; its constructor refuses other head dims by name."""
+    import cutlass
+
+    from dsv4_attention.stages.f_backward.sm90_index import IndexBackwardSm90
+
+    rep = assert_within_budget(stage.ID, "sm90", "bfloat16", 512, options={"index_mode": True})
+    assert rep.smem_bytes == 230400, rep.row()
+    with pytest.raises(ValueError, match="head dim 512"):
+        IndexBackwardSm90(cutlass.BFloat16, 128)

@@ -96,3 +96,52 @@ def test_composed_covers_reads_tensor_options():
     assert composed_covers(q, "hd 512", True, {"kv_start": 0, "seqused_k": None, "num_splits": 1}) is False
     with pytest.raises(RuntimeError, match="ambiguous"):  # the comparison the rule must not make
         bool(torch.tensor([3, 4, 5]) not in (None, 0))
+
+
+@pytest.mark.parametrize("mode", [None, "hca", "csa"])
+@pytest.mark.parametrize("window", [(3, 0), (2, 1), (20, 0)], ids=["causal3", "left2right1", "longer_than_keys"])
+def test_layer_as_lists_is_the_layer(mode, window):
+    """DeepSeek-V4's layer as index mode (``fused.layer_as_lists``: every query's window keys and
+    visible entries as one list into one pool), its gradients by index mode's torch form, equal to
+    the layer's torch-composed backward in float64: the lists' construction (window edges, rows
+    with no raw key, the entries' visibility, a top-k entry listed twice, -1) is the layer's. The
+    kernel path runs this on a GPU; here the construction is what is checked. Negative control:
+    the lists built for another compress_ratio differ in their gradients."""
+    from dsv4_attention.stages.f_backward import index
+
+    g = torch.Generator().manual_seed(7)
+    b, sq, sk, h, d, nc = 2, 11, 17, 4, 8, 5
+    q = torch.randn(b, sq, h, d, dtype=torch.float64, generator=g)
+    kv = torch.randn(b, sk, 1, d, dtype=torch.float64, generator=g)
+    ckv = torch.randn(b, nc, 1, d, dtype=torch.float64, generator=g) if mode else None
+    topk = None
+    if mode == "csa":
+        topk = torch.randint(-1, nc, (b, sq, 3), generator=g, dtype=torch.int32)
+        topk[0, 5, 1] = topk[0, 5, 0]
+    sink = torch.tensor([0.5, -math.inf, 3.0, -1.0], dtype=torch.float64)
+    left, right = window
+    mask = {"window_size": (left, right)}
+    entries = dict(compressed_kv=ckv, compress_ratio=4, topk_indices=topk) if mode else {}
+    o, lse = reference.fused_attention(q, kv, None, softmax_scale=0.3, learnable_sink=sink, **entries, **mask)
+    do = torch.randn(b, sq, h, d, dtype=torch.float64, generator=g)
+    want = fused.fused_backward(q, kv, kv, o, lse, do, softmax_scale=0.3, learnable_sink=sink, **entries, **mask)
+
+    def through_lists(ratio):
+        lists = fused.layer_as_lists(q, kv, kv, ckv, ratio, topk, False, (left, right), kernel_only=False)
+        assert lists is not None
+        pool, idx = lists
+        dq, dpool, dsink = index.index_backward_torch(
+            q.reshape(b * sq, h, d), pool, idx, o.reshape(b * sq, h, d), lse.permute(0, 2, 1).reshape(b * sq, h),
+            do.reshape(b * sq, h, d), attn_sink=sink, softmax_scale=0.3)
+        dk = dpool[:b * sk].reshape(kv.shape)
+        dc = None if ckv is None else dpool[b * sk:].reshape(ckv.shape)
+        return dq.reshape(q.shape), dk, dc, dsink
+
+    got = through_lists(4)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1] + want[2])  # K = V: the keys' and the values' gradients
+    if mode:
+        torch.testing.assert_close(got[2], want[3])
+        bad = through_lists(2)  # negative control: other entries visible
+        assert not torch.allclose(bad[0], want[0])
+    torch.testing.assert_close(got[3], want[4])

@@ -400,24 +400,32 @@ def test_v4_ops_backward_and_torch_compile(arch, record_errors):
                 assert errors(b, a.double()).rel_fro <= 1e-3, name
 
 
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("heads", [64, 128])
-def test_index_attention_backward(arch, heads, record_errors):
-    """DeepSeek-V4's sparse attention trained: index_attention (the kernel forward) with q, kv and
-    the sink requiring grad; loss.backward() runs stage F's torch-composed index_backward. Against
-    torch.autograd through the float64 reference: -1 padding, topk_length, a token with no valid
-    index, a row listed twice, a -inf sink (its gradient 0)."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs each run
+def index_case(tokens: int, rows: int, heads: int, k: int):
+    """Fresh index-mode inputs on the GPU (a new seed each run): (seed, generator, q, kv rows, lists
+    [tokens, 1, k] with -1 padding (token 5 from position 100, token 7 all), a row listed twice
+    (token 9), lengths, sinks). Head dim 512."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
     g = torch.Generator(device="cuda").manual_seed(seed)
-    tokens, rows, k, d = 300, 2000, 512, 512
-    q = (torch.randn(tokens, heads, d, device="cuda", generator=g) / 4).bfloat16()
-    kv = (torch.randn(rows, 1, d, device="cuda", generator=g) / 4).bfloat16()
+    q = (torch.randn(tokens, heads, 512, device="cuda", generator=g) / 4).bfloat16()
+    kv = (torch.randn(rows, 1, 512, device="cuda", generator=g) / 4).bfloat16()
     idx = torch.randint(0, rows, (tokens, 1, k), device="cuda", generator=g, dtype=torch.int32)
     idx[5, 0, 100:] = -1
     idx[7, 0, :] = -1
     idx[9, 0, 1] = idx[9, 0, 0]
     length = torch.randint(0, k + 1, (tokens,), device="cuda", generator=g, dtype=torch.int32)
-    sink = torch.randn(heads, device="cuda", generator=g)
+    return seed, g, q, kv, idx, length, torch.randn(heads, device="cuda", generator=g)
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("heads", [64, 128])
+def test_index_attention_backward(arch, heads, record_errors):
+    """DeepSeek-V4's sparse attention trained: index_attention (the kernel forward) with q, kv and
+    the sink requiring grad; loss.backward() runs stage F's index_backward (on Hopper its kernel,
+    sm90_index.py; elsewhere the torch form). Against torch.autograd through the float64 reference:
+    -1 padding, topk_length, a token with no valid index, a row listed twice, a -inf sink (its
+    gradient 0)."""
+    tokens, d = 300, 512
+    _, g, q, kv, idx, length, sink = index_case(tokens, 2000, heads, 512)
     sink[3] = -math.inf
     do = torch.randn(tokens, heads, d, device="cuda", generator=g).bfloat16()
     leaves = [t.clone().requires_grad_(True) for t in (q, kv, sink)]
@@ -436,6 +444,44 @@ def test_index_attention_backward(arch, heads, record_errors):
     assert leaves[2].grad[3] == 0
     rel = ((ds.double() - ds_ref)[finite].norm() / ds_ref[finite].norm()).item()
     assert rel <= 1e-2, (ds, ds_ref)
+
+
+@pytest.mark.parametrize("arch", [p for p in gpu_arch_params() if p.values[0] == "sm90"])
+@pytest.mark.parametrize("heads,k", [(64, 64), (64, 200), (128, 640)])  # one step exactly first
+def test_index_backward_kernel_is_the_definition(arch, heads, k, record_errors, monkeypatch):
+    """Index mode's backward kernel (stages/f_backward/sm90_index.py) against the torch form of
+    index.py run in float64 on the same tensors (the definition): -1 padding, an index past kv's
+    rows (none), a token with no valid index (its dq 0), a row listed twice in one list,
+    topk_length, sinks with -inf; k of one 64-row step exactly (a failure there is the step's
+    GEMMs and layouts, not the pipeline) and not a multiple of it; every gradient finite, dq
+    poisoned before the launch."""
+    from dsv4_attention.stages.f_backward import index as index_mod
+
+    tokens, rows, d = 257, 3000, 512
+    seed, g, q, kv, idx, length, sink = index_case(tokens, rows, heads, k)
+    idx[11, 0, 3] = rows + 5  # past the rows: none
+    length[7] = k
+    sink[3] = -math.inf
+    do = torch.randn(tokens, heads, d, device="cuda", generator=g).bfloat16()
+    with torch.no_grad():
+        o, lse = e_fused.index_attention(q, kv, idx, topk_length=length, attn_sink=sink, check_indices=False)
+    assert index_mod.kernel_serves(q, kv, idx) is None
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, *a, **kw: poison_(empty_like(t, *a, **kw)))  # dq's buffer
+    dq, dkv, dsink = index_mod.index_backward_kernel(q, kv, idx, o, lse, do, topk_length=length, attn_sink=sink)
+    monkeypatch.undo()
+    ref = index_mod.index_backward(q.double(), kv.double(), idx, o.double(), lse.double(), do.double(),
+                                   topk_length=length, attn_sink=sink.double())
+    assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    assert not dq[7].any()  # no valid index: no gradient
+    for name, out, r in (("dq", dq, ref[0]), ("dkv", dkv, ref[1])):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, index_kernel=True, heads=heads, k=k)
+        assert e.within(2e-2, 8e-2), f"{name}: {e} (seed {seed})"
+    finite = torch.isfinite(sink)
+    assert dsink[3] == 0
+    rel = ((dsink.double() - ref[2])[finite].norm() / ref[2][finite].norm()).item()
+    assert rel <= 1e-3, (dsink, ref[2])
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

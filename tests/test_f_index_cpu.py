@@ -63,3 +63,45 @@ def test_index_backward_is_autograds(seed, chunk_bytes):
 
 def test_index_backward_checker_rejects_a_missing_sink():
     assert failures(1, 1 << 30, drop_sink=True)
+
+
+def test_tensor_core_gemms_only_for_16_bit_cuda_calls():
+    """The torch-composed backwards' TF32 switch: on for a 16-bit call on CUDA, restored after it
+    (also when the body raises); untouched for fp32 / fp64 calls and on the CPU."""
+    from dsv4_attention.stages.f_backward.fused import tensor_core_gemms
+
+    matmul = torch.backends.cuda.matmul
+
+    def setting():
+        return matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+
+    tf32 = "tf32" if hasattr(matmul, "fp32_precision") else True
+    before = setting()
+    cuda = torch.device("cuda")
+    with tensor_core_gemms(torch.bfloat16, cuda):
+        assert setting() == tf32
+    assert setting() == before
+    with pytest.raises(RuntimeError), tensor_core_gemms(torch.float16, cuda):
+        assert setting() == tf32
+        raise RuntimeError("restored anyway")
+    assert setting() == before
+    for dtype, device in ((torch.float32, cuda), (torch.float64, cuda), (torch.bfloat16, torch.device("cpu"))):
+        with tensor_core_gemms(dtype, device):
+            assert setting() == before
+
+
+def test_index_past_the_rows_is_none():
+    """The kernel's contract, which the torch form shares: an index at or past kv's rows is -1 (no
+    key, no gradient), not a gather out of bounds (on CUDA that was a device-side assert, the
+    2026-12-01 GPU run of the kernel's test). Control: the same list with -1 there."""
+    q, kv, idx, length, sink, do = case(3)
+    q, kv = q.detach(), kv.detach()
+    o, lse = reference.dsv4_index_attention(q, kv[:, 0], idx[:, 0], length, sink.detach(), scale=0.3)
+    past, none = idx.clone(), idx.clone()
+    past[0, 0, 1], none[0, 0, 1] = kv.shape[0] + 5, -1
+    got = index_backward(q, kv, past, o, lse, do, topk_length=length, attn_sink=sink.detach(), softmax_scale=0.3)
+    want = index_backward(q, kv, none, o, lse, do, topk_length=length, attn_sink=sink.detach(), softmax_scale=0.3)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    listed = index_backward(q, kv, idx, o, lse, do, topk_length=length, attn_sink=sink.detach(), softmax_scale=0.3)
+    assert not torch.equal(listed[0], want[0])  # the entry does count where it is a row

@@ -78,18 +78,21 @@ def bench_stage_f(dev) -> list:
     for s in (4096, 16384):
         rows.append(backward_row(dev, 16384 // s, 16, s, 128, True, deterministic=True))
     for tokens in (4096, 8192):
-        rows.append(index_backward_row(dev, tokens, 64, 640))
-        rows.append(index_backward_row(dev, tokens, 128, 1152))
+        for heads, topk in ((64, 640), (128, 1152)):
+            rows.append(index_backward_row(dev, tokens, heads, topk))
+            rows.append(index_backward_row(dev, tokens, heads, topk, torch_form=True))
         rows.append(hca_backward_row(dev, tokens))
+        rows.append(hca_backward_row(dev, tokens, torch_form=True))
     return rows
 
 
-def index_backward_row(dev, tokens, heads, topk) -> dict:
-    """Index mode's backward (ours: the torch-composed index_backward) against cuDNN's sparse
-    backward on the same q, kv, lists, O and LSE (timing only: the two take the forward's LSE in
-    their own conventions)."""
+def index_backward_row(dev, tokens, heads, topk, torch_form: bool = False) -> dict:
+    """Index mode's backward (ours: ``index_backward``, its kernel on Hopper; ``torch_form``: the
+    torch-composed ``index_backward_torch``) against cuDNN's sparse backward on the same q, kv,
+    lists, O and LSE (timing only: the two take the forward's LSE in their own conventions)."""
     from dsv4_attention.stages import e_fused
     from dsv4_attention.stages import f_backward as stage
+    from dsv4_attention.stages.f_backward.index import index_backward_torch
 
     g = torch.Generator(device=dev).manual_seed(tokens + heads)
     q = (torch.randn(tokens, heads, 512, device=dev, generator=g) / 4).bfloat16()
@@ -99,7 +102,8 @@ def index_backward_row(dev, tokens, heads, topk) -> dict:
     do = torch.randn(tokens, heads, 512, device=dev, generator=g).bfloat16()
     with torch.no_grad():
         o, lse = e_fused.index_attention(q, kv, idx, attn_sink=sink)
-    ms = bench.time_ms([lambda: stage.index_backward(q, kv, idx, o, lse, do, attn_sink=sink)], warmup=1, iters=5)
+    ours = index_backward_torch if torch_form else stage.index_backward
+    ms = bench.time_ms([lambda: ours(q, kv, idx, o, lse, do, attn_sink=sink)], warmup=1, iters=5)
     flop = 2 * tokens * heads * topk * (3 * 512 + 2 * 512)
     tf, peer_ms = {}, {}
     try:
@@ -111,14 +115,17 @@ def index_backward_row(dev, tokens, heads, topk) -> dict:
         tf["cudnn_dsa"], peer_ms["cudnn_dsa"] = round(bench.tflops(flop, t), 1), round(t, 4)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
         print(f"peer cudnn_dsa failed: {type(e).__name__}: {e}"[:300], flush=True)
-    return _v4_row(f"bwd index torch-composed tokens{tokens} h{heads} topk{topk} hd512 bf16", ms, flop, tf, peer_ms)
+    form = "torch-composed" if torch_form else "kernel"
+    return _v4_row(f"bwd index {form} tokens{tokens} h{heads} topk{topk} hd512 bf16", ms, flop, tf, peer_ms)
 
 
-def hca_backward_row(dev, tokens, heads=64) -> dict:
-    """DeepSeek-V4's HCA layer's backward (ours: the torch-composed fused_backward): window 128,
-    every visible entry at ratio 128, the sink; no peer computes it."""
+def hca_backward_row(dev, tokens, heads=64, torch_form: bool = False) -> dict:
+    """DeepSeek-V4's HCA layer's backward (ours: ``fused_backward``, on Hopper through index mode's
+    kernel on every query's list; ``torch_form``: the torch-composed ``fused_backward_torch``):
+    window 128, every visible entry at ratio 128, the sink; no peer computes it."""
     from dsv4_attention.stages import e_fused
     from dsv4_attention.stages import f_backward as stage
+    from dsv4_attention.stages.f_backward.fused import fused_backward_torch
 
     g = torch.Generator(device=dev).manual_seed(tokens)
     q = (torch.randn(1, tokens, heads, 512, device=dev, generator=g) / 4).bfloat16()
@@ -129,12 +136,13 @@ def hca_backward_row(dev, tokens, heads=64) -> dict:
     opts = dict(compressed_kv=ckv, compress_ratio=128, causal=True, window_size=(127, 0), learnable_sink=sink)
     with torch.no_grad():
         o, lse = e_fused.forward(q, kv, **opts)
-    ms = bench.time_ms([lambda: stage.fused_backward(q, kv, kv, o, lse, do, **opts)], warmup=1, iters=5)
+    ours = fused_backward_torch if torch_form else stage.fused_backward
+    ms = bench.time_ms([lambda: ours(q, kv, kv, o, lse, do, **opts)], warmup=1, iters=5)
     t = torch.arange(tokens, dtype=torch.float64)
     pairs = float((torch.clamp(t + 1, max=128) + torch.floor((t + 1) / 128)).sum())
     flop = int(10 * heads * 512 * pairs)
-    return _v4_row(f"bwd v4 hca torch-composed tokens{tokens} h{heads} hd512 window128 ratio128 bf16", ms, flop, {},
-                   {})
+    form = "torch-composed" if torch_form else "kernel-lists"
+    return _v4_row(f"bwd v4 hca {form} tokens{tokens} h{heads} hd512 window128 ratio128 bf16", ms, flop, {}, {})
 
 
 def _v4_row(case, ms, flop, tf, peer_ms) -> dict:

@@ -208,7 +208,8 @@ def run_dsv4() -> int:
         lists = torch.cat([win_idx, torch.where(ext_idx >= 0, ext_idx + rows_w.shape[0], -1)], dim=2)[:4]
         length = torch.full((4 * s_q,), lists.shape[2], dtype=torch.int32, device=dev)
         o_ref, _ = dsv4_index_attention(q[:4].flatten(0, 1), pool, lists.flatten(0, 1), length, sink)
-        ours = lambda: e_fused.decode(q, win, win_idx, **kw)  # noqa: E731
+        sched = e_fused.DecodeSchedule()  # an engine's sched_meta: decided once, replayed each step
+        ours = lambda: e_fused.decode(q, win, win_idx, sched_meta=sched, **kw)  # noqa: E731
         ms = bench.time_ms([ours])
         # an engine replays decode from a CUDA graph: the host's work per call is not in it
         ours_graph = graph_ms([ours])
@@ -234,8 +235,8 @@ def run_dsv4() -> int:
     else:
         print("decode from paged FP8 caches: sm90 only (its merge needs split-KV's partials); not run here")
     print("\nTraining (docs/training.md): dense attention's backward is a kernel (stage F, Hopper, head dims "
-          "64 / 128); DeepSeek-V4's layer and index mode differentiate through torch-composed backwards (correct, "
-          "20-30x the time of a kernel: issue 44). Not run by this demo.")
+          "64 / 128) and for index mode (Hopper, head dim 512); DeepSeek-V4's layer differentiates through a "
+          "torch-composed backward (correct, 20-30x the time of a kernel: issue 44). Not run by this demo.")
     return 1 if bad else 0
 
 

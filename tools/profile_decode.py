@@ -8,7 +8,9 @@
 - and the CUDA kernels one call launches, with their GPU time (``tools.profile_e.kernel_times``),
   so a gap between ``eager`` and ``graph`` is named: host time the GPU waited for, or extra kernels.
 
-FlashMLA's ``with_kvcache_sparse`` is timed alike where the device pack's ``flashmla_peer`` imports.
+Our call is timed twice: as a call without a schedule, and with a ``DecodeSchedule`` (``sched_meta``:
+decided on its first call, replayed after). FlashMLA's ``with_kvcache_sparse`` is timed alike
+(with its ``sched_meta``) where the device pack's ``flashmla_peer`` imports.
 
 ``--cprofile N`` also prints, for each of our calls, the N functions of the host path with the
 most cumulative time over 200 calls (``cProfile``), to name where the host time goes.
@@ -59,7 +61,10 @@ def main(argv=None) -> int:
     for config in map(int, a.configs.split(",")):
         for b in map(int, a.batches.split(",")):
             q, win, win_idx, kw = fp8_decode_step(dev, config, b)
-            calls = {"ours": lambda q=q, win=win, win_idx=win_idx, kw=kw: e_fused.decode(q, win, win_idx, **kw)}
+            sched = e_fused.DecodeSchedule()
+            calls = {"ours": lambda q=q, win=win, win_idx=win_idx, kw=kw: e_fused.decode(q, win, win_idx, **kw),
+                     "ours, scheduled": lambda q=q, win=win, win_idx=win_idx, kw=kw, sched=sched:
+                         e_fused.decode(q, win, win_idx, sched_meta=sched, **kw)}
             if flashmla_peer is not None:
                 calls["flashmla"] = flashmla_decode(flashmla_peer, q, win, win_idx, kw)
             for name, call in calls.items():
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
                       f"{sum(n for _, n, _ in ks)} kernels {sum(t for _, _, t in ks):.1f} us of GPU", flush=True)
                 for k, n, t in ks:
                     print(f"    {t:8.1f} us  x{n}  {k}")
-                if a.cprofile and name == "ours":
+                if a.cprofile and name.startswith("ours"):
                     host_profile(call, a.cprofile)
             del q, win, win_idx, kw, calls
             torch.cuda.empty_cache()

@@ -195,6 +195,18 @@ def note_splits(splits: int | None) -> None:
     _last.splits = splits
 
 
+def forget_last_plan() -> None:
+    """Before a full path whose plan the caller keeps (``entry_run``, a decode schedule): the
+    current thread's last plan is cleared, so that :func:`last_plan` after it is that call's."""
+    _last.plan = None
+
+
+def last_plan():
+    """The plan the current thread's last call recorded or replayed (None: it could not be planned,
+    or launched nothing)."""
+    return getattr(_last, "plan", None)
+
+
 def last_splits() -> int | None:
     """The split count (common/split_kv.py) the current thread's last attention call ran with: 1
     unsplit, S > 1 where each Q tile's keys went over S units and were merged (what
@@ -243,9 +255,9 @@ def entry_call(key, q, k, v, out, lse_out, extra: tuple):
 
 def entry_run(key, full_path):
     """Run the entry's full path; file the plan it recorded or replayed under ``key``."""
-    _last.plan = None
+    forget_last_plan()
     result = full_path()
-    planned = _last.plan
+    planned = last_plan()
     if key is not None and planned is not None:
         try:
             hash(key)

@@ -32,6 +32,8 @@ from dsv4_attention.common.autograd import refuse_grad
 from dsv4_attention.common.validation import check_readable, check_window, value_range
 from dsv4_attention.stages.d2_pack_heads import tile_rows
 from dsv4_attention.stages.d4_causal_window import visible_pairs
+from dsv4_attention.stages.e_fused import decode_schedule as schedule
+from dsv4_attention.stages.e_fused.decode_schedule import DecodeSchedule
 
 ID = "e"
 NAME = "fused"
@@ -46,7 +48,7 @@ KERNELS = {
 DEMO_OPTIONS = {"kv_shared": True, "pack_group": 64, "has_left": True, "has_right": True, "has_sink": True,
                 "has_compressed": True}
 
-__all__ = ["forward", "index_attention", "decode", "flops"]
+__all__ = ["forward", "index_attention", "decode", "DecodeSchedule", "flops"]
 
 
 make_kernel = jit.kernel_maker(KERNELS)
@@ -291,7 +293,7 @@ def paged_source(q, cache):
 
 def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None,
            extra_topk_length=None, softmax_scale: float | None = None, check_indices: bool = True,
-           num_splits: int | None = None, one_launch: bool | None = None):
+           num_splits: int | None = None, one_launch: bool | None = None, sched_meta=None):
     """DeepSeek-V4's sparse decode from an inference engine's paged caches: FlashMLA's
     ``flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta, None, softmax_scale, False,
     True, indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length)``.
@@ -323,6 +325,11 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
             None (default): one launch where there are two FP8 caches (1.3-1.9x faster than
             two launches on an H200, docs/serving.md), else two; on sm100 one launch is the
             only form (unsplit).
+        sched_meta: a :class:`DecodeSchedule` (FlashMLA's ``sched_meta``), or None. Its first
+            call decides the step (checks, form, splits, kernel) and records it; a later call
+            of the same signature (shapes, strides, dtypes, options) replays it with this
+            call's tensors: the host's work per step is a few views and the launch. Replayed:
+            the one-launch form with ``check_indices=False``; other calls run in full.
 
     Returns:
         (out [batch, s_q, heads, 512] bf16, lse [batch, heads, s_q] fp32): natural log, without
@@ -337,6 +344,19 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
     from dsv4_attention.common.validation import check_sink
 
     refuse_grad("decode", q=q, k_cache=k_cache, extra_k_cache=extra_k_cache, attn_sink=attn_sink)
+    key = None
+    if sched_meta is not None:
+        if not isinstance(sched_meta, DecodeSchedule):
+            raise ValueError(f"sched_meta must be a DecodeSchedule (e_fused.DecodeSchedule()) or None; got "
+                             f"{type(sched_meta).__name__}")
+        if not check_indices and one_launch is not False:  # the replayable form (decode_schedule.py)
+            key = schedule.signature(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
+                                     extra_topk_length, softmax_scale, num_splits, one_launch)
+            if key is not None and key == sched_meta.key:
+                res = schedule.replay(sched_meta, q, (k_cache, extra_k_cache), (indices, extra_indices),
+                                      (topk_length, extra_topk_length), attn_sink)
+                if res is not None:
+                    return res
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [batch, s_q, heads, 512]; got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -388,15 +408,24 @@ def decode(q, k_cache, indices, *, topk_length=None, attn_sink=None, extra_k_cac
                 return split_kv.check_num_splits(num_splits, True, False, arch)
             return split_kv.auto_splits(1, b * s_q, h, 1, keys, sms, split_kv.DECODE_MIN_TILES) if arch == "sm90" else 1
 
-        live = [src for src in sources if src[2].shape[2] and src[0].shape[0]]
+        live = [i for i, src in enumerate(sources) if src[2].shape[2] and src[0].shape[0]]
         if len(live) == 2:
-            (kv, kv_pages, idx), extra = live
-            o, lse = index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices,
-                                  splits(idx.shape[2] + extra[2].shape[2]), extra=extra)
+            (kv, kv_pages, idx), extra = sources
+
+            def launch():
+                return index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices,
+                                    splits(idx.shape[2] + extra[2].shape[2]), extra=extra)
         else:  # one list names keys (or none): index mode on it
-            kv, kv_pages, idx = live[0] if live else sources[0]
-            o, lse = index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices,
-                                  splits(idx.shape[2]))
+            kv, kv_pages, idx = sources[live[0]] if live else sources[0]
+
+            def launch():
+                return index_launch(tokens, kv, kv_pages, idx, attn_sink, softmax_scale, None, check_indices,
+                                    splits(idx.shape[2]))
+        if sched_meta is None:
+            o, lse = launch()
+        else:  # kept for the next call of this signature (key None: not replayable, recorded empty)
+            o, lse = schedule.record(sched_meta, key, tuple((i, sources[i][0].shape[2]) for i in live), launch,
+                                     lambda: _STAND_IN.get(q.device))
         return o.view(b, s_q, h, d), lse.view(b, s_q, h).permute(0, 2, 1)
     counts = [split_kv.auto_splits(1, b * s_q, h, 1, idx.shape[2], sms, split_kv.DECODE_MIN_TILES)
               if num_splits is None

@@ -42,6 +42,7 @@ from dsv4_attention.common.validation import (
     check_window,
 )
 from dsv4_attention.common.varlen import padded_index, padded_total
+from dsv4_attention.stages.f_backward import index as index_kernels
 from dsv4_attention.stages.f_backward import preprocess
 from dsv4_attention.stages.f_backward import sink as sink_terms
 from dsv4_attention.stages.f_backward.fused import fused_backward
@@ -61,11 +62,21 @@ SM100_HEAD_DIMS = (128,)
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
 
-make_kernel = jit.kernel_maker(KERNELS)
+_dense_kernel = jit.kernel_maker(KERNELS)
 
 
-def example_args(dtype: torch.dtype, head_dim: int, **_):
+def make_kernel(arch: str, dtype, head_dim: int, index_mode: bool = False, **options):
+    """The dense backward's kernel for the options, or (``index_mode``) index mode's
+    (index.KERNELS: sm90_index.py), which the compile harness reaches by that option."""
+    if index_mode:
+        return jit.kernel_maker(index_kernels.KERNELS)(arch, dtype, head_dim, **options)
+    return _dense_kernel(arch, dtype, head_dim, **options)
+
+
+def example_args(dtype: torch.dtype, head_dim: int, index_mode: bool = False, **_):
     """CPU arguments to compile against (every shape dynamic)."""
+    if index_mode:
+        return index_kernels.example_args(dtype, head_dim)
     q = torch.empty(2, 300, 4, head_dim, dtype=dtype)
     k = torch.empty(2, 1000, 2, head_dim, dtype=dtype)
     rows = 320

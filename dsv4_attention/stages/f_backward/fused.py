@@ -16,12 +16,14 @@ part's P = exp(scale q k^T - LSE') is the forward's, and per part
 
 summed over a KV head's query heads; a CSA entry's gradient is scattered to the row its list
 names (``index_add_``). A chunk of queries reads only the raw keys its window reaches. fp32
-(fp64 for fp64 inputs); ``tests/test_f_fused_cpu.py`` checks it against torch.autograd through the
+(fp64 for fp64 inputs; a 16-bit call's GEMMs on TF32 tensor cores: ``tensor_core_gemms``);
+``tests/test_f_fused_cpu.py`` checks it against torch.autograd through the
 float64 reference (``reference.fused_attention``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -30,6 +32,30 @@ from dsv4_attention.stages.f_backward import sink as sink_terms
 
 #: bytes of temporaries a chunk of queries may hold
 CHUNK_BYTES = 1 << 30
+
+
+@contextlib.contextmanager
+def tensor_core_gemms(dtype: torch.dtype, device: torch.device):
+    """The fp32 GEMMs of a 16-bit call on TF32 tensor cores (CUDA only; fp32 and fp64 calls, and
+    the CPU, unchanged). Exact for the 16-bit operands (q, k, v, dO: bf16's 8 and fp16's 11
+    significant bits fit TF32's 11); P and dS are rounded to TF32, finer than the kernels' 16-bit P
+    and dS; every product accumulates in fp32. Restores the process's setting on exit."""
+    matmul = torch.backends.cuda.matmul
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9's setting (allow_tf32 is its older form)
+        before, matmul.fp32_precision = matmul.fp32_precision, "tf32"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    else:
+        before, matmul.allow_tf32 = matmul.allow_tf32, True
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = before
 
 
 def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
@@ -51,6 +77,25 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
     Returns:
         (dq, dk, dv, dcompressed or None, dsink or None), each like its input (dsink fp32).
     """
+    lists = layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size)
+    if lists is not None:  # index mode's kernel on every query's keys (``layer_as_lists``)
+        return by_lists(q, kv, v, o, lse, do, compressed_kv, lists, softmax_scale, learnable_sink)
+    return fused_backward_torch(q, kv, v, o, lse, do, compressed_kv=compressed_kv, compress_ratio=compress_ratio,
+                                topk_indices=topk_indices, softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size, learnable_sink=learnable_sink, chunk_bytes=chunk_bytes)
+
+
+def fused_backward_torch(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
+                         softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
+                         learnable_sink=None, chunk_bytes: int = CHUNK_BYTES):
+    """``fused_backward`` composed of torch operations (the module doc), whatever serves the call."""
+    with tensor_core_gemms(q.dtype, q.device):
+        return _fused_backward(q, kv, v, o, lse, do, compressed_kv, compress_ratio, topk_indices, softmax_scale,
+                               causal, window_size, learnable_sink, chunk_bytes)
+
+
+def _fused_backward(q, kv, v, o, lse, do, compressed_kv, compress_ratio, topk_indices, softmax_scale, causal,
+                    window_size, learnable_sink, chunk_bytes):
     b, sq, h, d = q.shape
     sk, hk = kv.shape[1], kv.shape[2]
     g = h // hk
@@ -136,3 +181,67 @@ def part(rows, keys, values, ok, scale):
     ds = p * (torch.einsum(eq, doc, values) - d_c[..., None])
     dq_c.add_(torch.einsum("ckgn,nkd->ckgd" if shared else "ckgn,cnkd->ckgd", ds, keys), alpha=scale)
     return p, ds
+
+
+#: a query's list at most (window + entries) for the layer's backward through index mode's kernel
+MAX_LIST = 4096
+
+
+def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size,
+                   kernel_only: bool = True):
+    """DeepSeek-V4's layer as index mode: every query's visible keys as one list into one pool of
+    rows, the batches' raw keys then their compressed entries, ``(pool [b sk + b nc, 1, d],
+    lists [b sq, 1, n] int32)``, where index mode's backward kernel serves the call
+    (``index.kernel_serves``: Hopper, 16-bit, head dim 512, heads a multiple of 64), K = V, one kv
+    head and a window with a left bound (a list of its keys and the entries, at most ``MAX_LIST``);
+    else None. Query i of batch b sits at t = i + sk - sq; its list: raw keys t - left .. t + right
+    inside [0, sk) (-1 outside), then the entries j < floor((t + 1) / ratio) (all of them, HCA) or
+    its top-k entries visible by that rule (CSA), -1 elsewhere. A key's softmax term is the same
+    in either form, so index mode's gradients of the pool are the layer's: dk its raw rows,
+    dcompressed its entries. ``kernel_only`` False: the lists wherever the layer has that form
+    (the host test of their construction, through the torch form)."""
+    from dsv4_attention.stages.f_backward import index
+
+    b, sq, h, d = q.shape
+    sk, hk = kv.shape[1], kv.shape[2]
+    left, right = window_size
+    right = 0 if causal else right
+    if v.data_ptr() != kv.data_ptr() or v.shape != kv.shape or hk != 1 or left is None or right is None:
+        return None
+    width = left + right + 1
+    nc = 0 if compressed_kv is None else compressed_kv.shape[1]
+    n = width + (nc if topk_indices is None else topk_indices.shape[-1]) if compressed_kv is not None else width
+    if n > MAX_LIST:
+        return None
+    dev = q.device
+    t = torch.arange(sq, device=dev) + (sk - sq)  # [sq] the queries' positions
+    keys = t[:, None] - left + torch.arange(width, device=dev)[None]  # [sq, width]
+    base = torch.arange(b, device=dev)[:, None, None]
+    lists = [torch.where((keys >= 0) & (keys < sk), keys[None] + base * sk, -1).expand(b, sq, width)]
+    if compressed_kv is not None:
+        count = (torch.clamp(t + 1, min=0) // compress_ratio).clamp(max=nc)[None, :, None]  # [1, sq, 1]
+        entries = torch.arange(nc, device=dev)[None, None] if topk_indices is None else topk_indices.long()
+        seen = (entries >= 0) & (entries < count)
+        lists.append(torch.where(seen, entries + b * sk + base * nc, -1).expand(b, sq, entries.shape[-1]))
+    lists = torch.cat(lists, dim=-1).to(torch.int32).reshape(b * sq, 1, -1)
+    rows = [kv.reshape(b * sk, 1, d)] + ([] if compressed_kv is None else [compressed_kv.reshape(b * nc, 1, d)])
+    pool = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+    if kernel_only and index.kernel_serves(q.reshape(b * sq, h, d), pool, lists) is not None:
+        return None
+    return pool, lists
+
+
+def by_lists(q, kv, v, o, lse, do, compressed_kv, lists, softmax_scale, learnable_sink):
+    """``fused_backward`` through index mode's backward on ``layer_as_lists``' pool and lists:
+    (dq, dk, dv = 0 (K = V: dk holds both), dcompressed, dsink)."""
+    from dsv4_attention.stages.f_backward import index
+
+    pool, idx = lists
+    b, sq, h, d = q.shape
+    sk = kv.shape[1]
+    dq, dpool, dsink = index.index_backward(
+        q.reshape(b * sq, h, d), pool, idx, o.reshape(b * sq, h, d), lse.permute(0, 2, 1).reshape(b * sq, h),
+        do.reshape(b * sq, h, d), attn_sink=learnable_sink, softmax_scale=softmax_scale)
+    dk = dpool[:b * sk].reshape(kv.shape)
+    dc = None if compressed_kv is None else dpool[b * sk:].reshape(compressed_kv.shape)
+    return dq.reshape(q.shape), dk, torch.zeros_like(v), dc, dsink
