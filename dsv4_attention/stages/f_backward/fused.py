@@ -243,5 +243,6 @@ def by_lists(q, kv, v, o, lse, do, compressed_kv, lists, softmax_scale, learnabl
         q.reshape(b * sq, h, d), pool, idx, o.reshape(b * sq, h, d), lse.permute(0, 2, 1).reshape(b * sq, h),
         do.reshape(b * sq, h, d), attn_sink=learnable_sink, softmax_scale=softmax_scale)
     dk = dpool[:b * sk].reshape(kv.shape)
-    dc = None if compressed_kv is None else dpool[b * sk:].reshape(compressed_kv.shape)
+    # a copy, not a view of dpool: a custom op's outputs may not alias each other (f_fused_backward)
+    dc = None if compressed_kv is None else dpool[b * sk:].reshape(compressed_kv.shape).clone()
     return dq.reshape(q.shape), dk, torch.zeros_like(v), dc, dsink
