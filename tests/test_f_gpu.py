@@ -485,6 +485,33 @@ def test_index_backward_kernel_is_the_definition(arch, heads, k, record_errors, 
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+def test_index_backward_is_bitwise_repeatable_under_the_deterministic_flag(arch, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) index mode's backward takes the torch form
+    (the kernel's dkv atomics land in any order; it is never called) and every gradient is the same
+    bits on each of three runs; without the flag the kernel serves the call on Hopper."""
+    from dsv4_attention.stages.f_backward import index as index_mod
+
+    _, g, q, kv, idx, length, sink = index_case(300, 2000, 64, 640)
+    do = torch.randn(300, 64, 512, device="cuda", generator=g).bfloat16()
+    with torch.no_grad():
+        o, lse = e_fused.index_attention(q, kv, idx, topk_length=length, attn_sink=sink, check_indices=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        monkeypatch.setattr(index_mod, "index_backward_kernel", lambda *a, **k: pytest.fail("the kernel ran"))
+        runs = [index_mod.index_backward(q, kv, idx, o, lse, do, topk_length=length, attn_sink=sink)
+                for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later, strict=True):
+            assert torch.equal(a, b)
+    assert all(torch.isfinite(t).all() for t in runs[0])
+    if arch == "sm90":
+        assert index_mod.kernel_serves(q, kv, idx) is None
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 @pytest.mark.parametrize("head_dim", stage.HEAD_DIMS)
 def test_autograd_through_attention_with_sink(arch, head_dim, record_errors):
     """q, k, v and the sink requiring grad, with seqused_k: loss.backward() reaches all four, equal

@@ -105,3 +105,21 @@ def test_index_past_the_rows_is_none():
         assert torch.equal(a, b)
     listed = index_backward(q, kv, idx, o, lse, do, topk_length=length, attn_sink=sink.detach(), softmax_scale=0.3)
     assert not torch.equal(listed[0], want[0])  # the entry does count where it is a row
+
+
+def test_deterministic_mode_keeps_the_kernel_out():
+    """Under torch.use_deterministic_algorithms(True) index_backward never takes the kernel (its dkv
+    reductions land in any order): kernel_serves says why before anything about the device, so the
+    rule holds on any machine; the torch form's index_add_ is deterministic under the flag. Control:
+    without the flag the first reason is the device's."""
+    from dsv4_attention.stages.f_backward import index
+
+    q, kv, idx, _, _, _ = case(1)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert "deterministic" in index.kernel_serves(q, kv, idx)
+        torch.use_deterministic_algorithms(False)
+        assert index.kernel_serves(q, kv, idx) == "not a CUDA tensor"
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -15,7 +15,11 @@ own builders (``smem_layouts``, its three tiled MMAs, stage E's ``gather_offset`
    once. S's row statistics (``acc_rows_view``): each row of the view is one head, its values
    that head's, the two rows distinct heads. Negative control: the column view.
 4. The reductions. In each thread's dkv values, 2 m and 2 m + 1 are one row's columns (c, c + 1)
-   with c even: one 8-byte-aligned v2 reduction. Negative control: pairs shifted by one value.
+   with c even (negative control: pairs shifted by one value); after the exchange between lanes
+   t and t ^ 1 (``exchange_dkv_pairs``), each lane's four values of column group n are one row's
+   columns red_col + 8 n .. + 3, the row and columns the kernel's address names, red_col a
+   multiple of 4 (a 16-byte-aligned v4 reduction), and the warpgroup's reductions cover the chunk
+   once. Negative control: each lane keeping the other pair.
 Nothing is launched.
 """
 
@@ -169,3 +173,40 @@ def test_dkv_values_pair_into_v2_reductions(owners):
 
 def test_pair_checker_rejects_shifted_pairs(owners):
     assert pair_failures(owners["dkv"], shift=1)
+
+
+def exchange_failures(dkv_coords: list, wrong: bool = False) -> list:
+    """The dkv reduction after the lane exchange, replayed on coordinates: lane t's four values per
+    column group n (``kernel.exchange_dkv_pairs`` on its own and lane t ^ 1's coordinates) must be
+    the row and columns the kernel's address names (``red_row`` / ``red_col`` from group 0's
+    coordinates, plus 8 n columns), four adjacent columns from a multiple of 4 (a 16-byte-aligned
+    v4 reduction), and over the warpgroup every (row, column) of the chunk reduced exactly once.
+    ``wrong``: the lanes keep the other pair (the even lane row 1's), the negative control."""
+    bad, seen = [], []
+    (a0, _), (b0, _) = kernel.dkv_quad(0)
+    for t, own_all in enumerate(dkv_coords):
+        partner_all = dkv_coords[t ^ 1]
+        odd = bool(t % 2) != wrong
+        red_row = own_all[b0][0] if odd else own_all[a0][0]
+        red_col = own_all[a0][1] - 2 if odd else own_all[a0][1]
+        for n in range(len(own_all) // 4):
+            (x0, x1), (y0, y1) = kernel.dkv_quad(n)
+            own = ((own_all[x0], own_all[x1]), (own_all[y0], own_all[y1]))
+            partner = ((partner_all[x0], partner_all[x1]), (partner_all[y0], partner_all[y1]))
+            got = kernel.exchange_dkv_pairs(odd, own, partner)
+            want = tuple((red_row, red_col + 8 * n + j) for j in range(4))
+            if got != want or red_col % 4:
+                bad.append((t, n, got, want))
+            seen += list(got)
+    if sorted(seen) != sorted((r, c) for r in range(N) for c in range(kernel.DKV_CHUNK)):
+        bad.append("the reductions do not cover the chunk once")
+    return bad
+
+
+def test_dkv_exchange_makes_16_byte_reductions(owners):
+    bad = exchange_failures(owners["dkv"])
+    assert not bad, bad[:4]
+
+
+def test_exchange_checker_rejects_the_other_pair(owners):
+    assert exchange_failures(owners["dkv"], wrong=True)

@@ -46,7 +46,10 @@ def index_backward(q, kv, indices, o, lse, do, *, topk_length=None, attn_sink=No
                    softmax_scale: float | None = None, chunk_bytes: int = CHUNK_BYTES):
     """Gradients of ``(o, lse) = index_attention(q, kv, indices, topk_length=, attn_sink=,
     softmax_scale=)`` (the loss's gradient reaches o only): by the kernel where it serves the call
-    (``kernel_serves``), else by ``index_backward_torch``.
+    (``kernel_serves``), else by ``index_backward_torch``. Under
+    ``torch.use_deterministic_algorithms(True)`` always the torch form: the kernel adds dkv by
+    unordered atomics, the torch form's ``index_add_`` is deterministic under that flag, so every
+    gradient is bitwise repeatable (slowly: no fixed-order kernel yet).
 
     Args:
         q: [tokens, heads, d]; kv: [rows, 1, d] K = V rows (bf16 rows: the paged FP8 cache is
@@ -118,11 +121,14 @@ def example_args(dtype: torch.dtype, head_dim: int = HEAD_DIM) -> list:
 
 
 def kernel_serves(q, kv, indices) -> str | None:
-    """None where the kernel (sm90_index.py) computes this call's gradients, else why not: a
+    """None where the kernel (sm90_index.py) computes this call's gradients, else why not: not
+    under ``torch.use_deterministic_algorithms(True)`` (its dkv reductions land in any order), a
     Hopper GPU, 16-bit q / kv of head dim 512, heads a multiple of 64, kv rows [rows, 1, 512]
     whose rows start 16-byte aligned (the gather's 16-byte copies)."""
     from dsv4_attention.common.arch import arch_of_device
 
+    if torch.are_deterministic_algorithms_enabled():
+        return "deterministic algorithms are on: the kernel adds dkv by atomics in no fixed order"
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return "not a CUDA tensor"
     try:

@@ -13,8 +13,9 @@ Work decomposition
             GEMM that reduces over the list (as stage D2 packs heads into rows); the CTA walks
             the token's list 64 rows a step. dq (64 heads x 512) accumulates in the consumers'
             registers over the whole list and is stored once, complete; dkv, which other
-            tokens' CTAs touch too, leaves every step through fp32 vector reductions
-            (``red.global.add.v2.f32``) into an fp32 accumulator the host rounds.
+            tokens' CTAs touch too, leaves every step through 16-byte fp32 reductions
+            (``red.global.add.v4.f32``, after a lane exchange) into an fp32 accumulator the
+            host rounds.
     block = 128 x 3 threads:
             warpgroup 0      producer (setmaxnreg 24): warp 0 loads Q and dO of the CTA's heads
                              once (TMA); all 128 threads gather each step's 64 listed rows by
@@ -32,8 +33,10 @@ Consumer warpgroup w, per step i (rows 64 i .. 64 i + 63 of the list)
     issue dq += dS K                                  (SS; sdS K-major, K read MN-major)
     wait; arrive KV_EMPTY (the rows' slot may be refilled: the producer gathers step i + 1)
     for each 64-column chunk c of the warpgroup's half:
-        issue acc = dS^T Q[:, c] + P^T dO[:, c]        (SS; sdS / sP read MN-major; M 64 rows)
-        wait; acc -> dkv[idx[t, 64 i + r], c] by v2 reductions (rows that name none: skipped)
+        issue acc[c % 2] = dS^T Q[:, c] + P^T dO[:, c]  (SS; sdS / sP read MN-major; M 64 rows)
+        wait for chunk c - 1's GEMMs only; acc[(c - 1) % 2] -> dkv[idx[t, 64 i + r], c - 1] by
+        v4 reductions (rows that name none: skipped), while chunk c's GEMMs run
+    wait; the last chunk's reductions
     end: dq -> 16 bits -> global (each thread its values).
     The scale rides in dS: dq = (scale dS) K and the key part of dkv = (scale dS)^T Q.
 
@@ -61,9 +64,13 @@ Layouts (consumer warpgroup w, warp w' in it, lane l)
               same bytes (64 rows, 64 heads, 2) MN-major: the A of dkv's GEMMs.
     S, dP     value (c, r, n) of thread (w', l) = S[16 w' + l/4 + 8 r, 32 w + 8 n + 2 (l%4) + c]:
               heads 16 w' + l/4 + 8 r, so a thread's rows statistics are two values (r = 0, 1).
-    dkv acc   value (c, r, n) = dkv[16 w' + l/4 + 8 r, 8 n + 2 (l%4) + c] of the chunk: values
-              2 m and 2 m + 1 are one row's adjacent columns, one v2 reduction (proven on the
-              host: tests/test_f_index_sm90_host.py).
+    dkv acc   value (c, r, n) = dkv[16 w' + l/4 + 8 r, 8 n + 2 (l%4) + c] of the chunk, value
+              index c + 2 r + 4 n (``dkv_quad``). Lanes l and l ^ 1 hold the same two rows and
+              together four adjacent columns of each; one shuffle of a pair each way leaves the
+              even lane row r = 0's four columns and the odd lane row r = 1's, one 16-byte
+              reduction each per n (``exchange_dkv_pairs``: half the reductions of v2; the
+              exchange, its cover and alignment proven on the host:
+              tests/test_f_index_sm90_host.py).
 """
 
 from __future__ import annotations
@@ -102,16 +109,34 @@ class IndexBwdBarrier(enum.IntEnum):
 
 
 @dsl_user_op
-def red_add_v2_f32(gmem_addr: cutlass.Int64, a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> None:
-    """Two adjacent fp32 values added to global memory in one reduction (8-byte aligned)."""
+def red_add_v4_f32(gmem_addr: cutlass.Int64, a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32,
+                   d: cutlass.Float32, *, loc=None, ip=None) -> None:
+    """Four adjacent fp32 values added to global memory in one reduction (16-byte aligned)."""
     llvm.inline_asm(
         None,
-        [cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip), cutlass.Float32(a).ir_value(loc=loc, ip=ip),
-         cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f,~{memory}",
+        [cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
     )
+
+
+def dkv_quad(n: int) -> tuple:
+    """The dkv accumulator's value indices of column group n (value index c + 2 r + 4 n, the module
+    doc's layout): (row r = 0's pair, row r = 1's pair)."""
+    return (4 * n, 4 * n + 1), (4 * n + 2, 4 * n + 3)
+
+
+def exchange_dkv_pairs(odd: bool, own: tuple, partner: tuple) -> tuple:
+    """One lane's four values after the exchange with lane ^ 1, from (row 0 pair, row 1 pair) of its
+    own and of its partner's column group (host Python on coordinates in the proof, the same
+    selections on values in the kernel): the even lane keeps its row-0 pair and receives the odd
+    lane's; the odd lane receives the even lane's row-1 pair, then its own. What each lane sends
+    is what the other receives: the even lane its row-1 pair, the odd lane its row-0 pair."""
+    if odd:
+        return partner[1] + own[1]
+    return own[0] + partner[0]
 
 
 def make_sdp_tiled_mma(dtype) -> cute.TiledMma:
@@ -375,7 +400,7 @@ class IndexBackwardSm90:
         tDrQ = dkv_mma.make_fragment_B(wg_dkv.partition_B(chunks_q))  # (MMA, 1, heads/16, d/64, 1)
         tDrdO = dkv_mma.make_fragment_B(wg_dkv.partition_B(chunks_do))
         thr_dkv = dkv_mma.get_slice(tidx % gm.THREADS_PER_WARPGROUP)
-        acc_dkv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((n, DKV_CHUNK)))
+        acc_dkv = [thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((n, DKV_CHUNK))) for _ in range(2)]
         tDcD = thr_dkv.partition_C(cute.make_identity_tensor((n, DKV_CHUNK)))  # (row, column) of each value
         # the rows statistics of this thread's two heads, for the whole list
         s_rows, dp_rows, c_rows = acc_rows_view(acc_s), acc_rows_view(acc_dp), acc_rows_view(tScS)
@@ -389,6 +414,11 @@ class IndexBackwardSm90:
         half = wg * (d // NUM_WG)
         dkv_base = mdKV.iterator.toint()
         dkv_row_bytes = cutlass.Int64(mdKV.stride[0] * 4)
+        odd = (tidx % 2) == 1  # lane parity: which row of the pair's two this lane reduces
+        (a0, _), (b0, _) = dkv_quad(0)
+        # after the exchange: the row (within the step) and first column this lane reduces, per n
+        red_row = tDcD[b0][0] if odd else tDcD[a0][0]
+        red_col = (tDcD[a0][1] - 2) if odd else tDcD[a0][1]
 
         cute.arch.mbarrier_wait(smem.q_bar, 0)
         for i in cutlass.range(g.steps, unroll=1):
@@ -417,24 +447,46 @@ class IndexBackwardSm90:
             gm.gemm(dq_mma, acc_dq, tQrdS[None, None, None, slot], tQrKV, zero_init=False)
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(smem.kv_empty)  # the rows are read: the producer may gather the next step
-            for c in cutlass.range_constexpr(d // NUM_WG // DKV_CHUNK):
-                chunk = wg * (d // NUM_WG // DKV_CHUNK) + c
-                gm.gemm(dkv_mma, acc_dkv, tDrdS[None, None, None, slot], tDrQ[None, None, None, chunk, 0],
-                     zero_init=True)
-                gm.gemm(dkv_mma, acc_dkv, tDrP[None, None, None, slot], tDrdO[None, None, None, chunk, 0],
-                     zero_init=False)
-                warpgroup.wait_group(0)
-                for m in cutlass.range_constexpr(cute.size(acc_dkv) // 2):
-                    r, col = tDcD[2 * m][0], tDcD[2 * m][1]
-                    e = cutlass.Int32(-1)
-                    if row0 + r < k:
-                        e = mIdx[token, row0 + r]
-                    if (e >= 0) & (e < rows):
-                        red_add_v2_f32(dkv_base + cutlass.Int64(e) * dkv_row_bytes
-                                       + cutlass.Int64((half + c * DKV_CHUNK + col) * 4),
-                                       acc_dkv[2 * m], acc_dkv[2 * m + 1])
+            # the list entry of the row this lane reduces, once a step (a red's memory clobber would
+            # reload it after every reduction)
+            e_red = cutlass.Int32(-1)
+            if row0 + red_row < k:
+                e_red = mIdx[token, row0 + red_row]
+            red_ok = (e_red >= 0) & (e_red < rows)
+            red_addr = dkv_base + cutlass.Int64(cutlass.max(e_red, 0)) * dkv_row_bytes \
+                + cutlass.Int64((half + red_col) * 4)
+            # dkv a 64-column chunk at a time, the GEMMs of chunk c issued before chunk c - 1's
+            # reductions (two accumulators): the reductions overlap the tensor cores' next chunk
+            chunks = d // NUM_WG // DKV_CHUNK
+            for c in cutlass.range_constexpr(chunks):
+                acc = acc_dkv[c % 2]
+                chunk = wg * chunks + c
+                gm.gemm(dkv_mma, acc, tDrdS[None, None, None, slot], tDrQ[None, None, None, chunk, 0], zero_init=True)
+                gm.gemm(dkv_mma, acc, tDrP[None, None, None, slot], tDrdO[None, None, None, chunk, 0], zero_init=False)
+                if cutlass.const_expr(c > 0):
+                    warpgroup.wait_group(2)  # chunk c - 1's two groups are done, chunk c's may run
+                    self.reduce_dkv(acc_dkv[(c - 1) % 2], red_addr + (c - 1) * DKV_CHUNK * 4, odd, red_ok)
+            warpgroup.wait_group(0)
+            self.reduce_dkv(acc_dkv[(chunks - 1) % 2], red_addr + (chunks - 1) * DKV_CHUNK * 4, odd, red_ok)
         # dq (scale already in dS) -> 16 bits -> the token's rows of the CTA's heads
         r_dq = cute.make_rmem_tensor(acc_dq.layout, self.dtype)
         convert_p_packed(acc_dq, r_dq)
         gdQ = cute.local_tile(mdQ[token, None, None], (HEADS_PER_CTA, d), (head_block, 0))
         cute.autovec_copy(r_dq, thr_dq.partition_C(gdQ))
+
+    @cute.jit
+    def reduce_dkv(self, acc: cute.Tensor, addr: cutlass.Int64, odd: cutlass.Boolean, ok: cutlass.Boolean):
+        """One 64-column chunk of dkv (``acc``, the dkv GEMM's accumulator) added at ``addr`` (this
+        lane's row and first column, ``exchange_dkv_pairs``' layout): per column group n, a pair
+        exchanged with lane ^ 1 (every lane of the warp takes part), then one 16-byte reduction
+        where the lane's row names a row of kv."""
+        for n in cutlass.range_constexpr(cute.size(acc) // 4):
+            (a0, a1), (b0, b1) = dkv_quad(n)
+            # send the pair the partner keeps: the even lane its row-1 pair, the odd its row-0
+            got0 = cute.arch.shuffle_sync_bfly(acc[a0] if odd else acc[b0], offset=1)
+            got1 = cute.arch.shuffle_sync_bfly(acc[a1] if odd else acc[b1], offset=1)
+            if ok:
+                if odd:
+                    red_add_v4_f32(addr + 8 * n * 4, got0, got1, acc[b0], acc[b1])
+                else:
+                    red_add_v4_f32(addr + 8 * n * 4, acc[a0], acc[a1], got0, got1)
