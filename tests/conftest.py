@@ -4,6 +4,10 @@
 stage, architecture and kind of test, and the worst errors the GPU tests saw
 (recorded through the ``record_errors`` fixture). Works under pytest-xdist:
 the controller aggregates the reports its workers send.
+
+A test that poisons its process's CUDA context (a device-side assert, an illegal address) ends
+that process after its reports (``pytest_runtest_protocol`` below; tests/test_poisoned_context.py),
+so that the rest of the session runs on a fresh pytest-xdist worker.
 """
 
 from __future__ import annotations
@@ -135,6 +139,52 @@ class _Collector:
     def pytest_sessionfinish(self, session):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.summary(), indent=1, sort_keys=True))
+
+
+#: CUDA errors after which a process's context is unusable: every later launch of the process
+#: fails with the same error, whatever its test does
+STICKY_CUDA_ERRORS = ("device-side assert triggered", "an illegal memory access was encountered",
+                      "unspecified launch failure", "misaligned address", "an illegal instruction was encountered")
+
+
+def sticky_cuda_error(excinfo) -> str | None:
+    """The sticky CUDA error a test raised (torch's AcceleratorError, a RuntimeError), or None."""
+    if excinfo is None or not isinstance(excinfo.value, RuntimeError):
+        return None
+    text = str(excinfo.value)
+    return next((e for e in STICKY_CUDA_ERRORS if e in text), None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    yield
+    error = sticky_cuda_error(call.excinfo)
+    if error is not None:
+        item.stash[_POISONED] = f"{item.nodeid}: CUDA error: {error}"
+
+
+_POISONED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test whose CUDA error poisoned its process's context (a device-side assert, an illegal
+    address) ends that process once its reports are written: under pytest-xdist the worker exits
+    (xdist reports that as a crash of the same test) and a fresh one runs the rest, so one kernel's
+    fault is one failure, not a failure of every later test on the same worker (2026-12-01: one
+    out-of-bounds gather failed 14 tests); in a single process the session stops, saying why."""
+    yield
+    why = item.stash.get(_POISONED, None)
+    if why is None:
+        return
+    if hasattr(item.config, "workerinput"):
+        import sys
+
+        sys.stderr.write(f"\n[{item.config.workerinput.get('workerid')}] CUDA context poisoned by {why}; this "
+                         f"worker exits and pytest-xdist starts a fresh one for the remaining tests\n")
+        sys.stderr.flush()
+        os._exit(3)
+    pytest.exit(f"CUDA context poisoned by {why}: every later GPU test of this process would fail for it", 3)
 
 
 def pytest_configure(config):

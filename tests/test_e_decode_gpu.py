@@ -19,6 +19,7 @@ from dsv4_attention.common.testing import (
     fresh_generator,
     gpu_arch_params,
     random_index_lists,
+    run_compute_sanitizer,
     sinks_with_infinities,
 )
 from dsv4_attention.stages import e_fused as stage
@@ -324,3 +325,42 @@ def test_decode_refuses_bad_input(arch):
         with pytest.raises(ValueError, match=match):
             stage.decode(*args, **kw)
 
+
+SANITIZED = """
+import torch
+from dsv4_attention.common import kv_cache as kc
+from dsv4_attention.stages import e_fused as stage
+g = torch.Generator().manual_seed(0)
+
+
+def cache(batch, tokens, page, topk):
+    pages = -(-tokens // page)
+    table = torch.randperm(batch * pages, generator=g).int().view(batch, pages)
+    rows = (torch.randn(batch * pages, page, 1, 512, generator=g) / 4).to(torch.bfloat16)
+    logical = torch.randint(-1, tokens, (batch, 2, topk), generator=g, dtype=torch.int32)
+    return kc.quantize_kv_cache(rows.cuda()), kc.cache_indices(logical, table, page).cuda()
+
+
+# FlashMLA's CONFIG1 / CONFIG3 forms: window top-128 in pages of 256, extra top-512 in pages of 64,
+# or in pages of 2 with lengths; batch 2 (split over the SMs, then the merge) and 9
+for batch, x_page, lengths in ((2, 64, False), (9, 2, True)):
+    win, w_idx = cache(batch, 700, 256, 128)
+    ext, x_idx = cache(batch, 812, x_page, 512)
+    q = torch.randn(batch, 2, 64, 512, device="cuda").bfloat16()
+    x_len = torch.randint(0, 513, (batch,), device="cuda", dtype=torch.int32) if lengths else None
+    stage.decode(q, win, w_idx, topk_length=torch.randint(0, 129, (batch,), device="cuda", dtype=torch.int32),
+                 attn_sink=torch.randn(64, device="cuda"), extra_k_cache=ext, extra_indices=x_idx,
+                 extra_topk_length=x_len, check_indices=False)
+# prefill from the FP8 pages: index mode, one list a token, lengths
+pages, idx = cache(5, 900, 64, 200)
+qp = torch.randn(10, 128, 512, device="cuda").bfloat16()
+stage.index_attention(qp, pages, idx.view(10, 1, 200), topk_length=torch.randint(0, 201, (10,), device="cuda",
+                      dtype=torch.int32), attn_sink=torch.randn(128, device="cuda"), check_indices=False)
+"""
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(arch, tool):
+    """compute-sanitizer over the FP8 paths (the serving page listed them as open): decode at batch
+    2 (split, then the merge) and 9 with lengths over pages of 2, and index mode over FP8 pages."""
+    run_compute_sanitizer(tool, SANITIZED)

@@ -754,6 +754,18 @@ with torch.no_grad():
     o, lse = e_fused.forward(q, k, v, causal=True)
 f_backward.backward(q, k, v, o, lse, do, causal=True)
 f_backward.backward(q, k, v, o, lse, do, causal=True, deterministic=True)
+# index mode's kernel (sm90_index.py; the torch form elsewhere): -1 padding, an index past the rows,
+# a token with no valid index, lengths, k not a multiple of its 64-row step
+from dsv4_attention.stages.f_backward import index as index_bwd
+qi = (torch.randn(70, 64, 512, device="cuda") / 4).bfloat16()
+kvi = (torch.randn(500, 1, 512, device="cuda") / 4).bfloat16()
+idx = torch.randint(-1, 500, (70, 1, 200), device="cuda", dtype=torch.int32)
+idx[3, 0, 5], idx[7] = 505, -1
+length = torch.randint(0, 201, (70,), device="cuda", dtype=torch.int32)
+sink = torch.randn(64, device="cuda")
+with torch.no_grad():
+    oi, lsei = e_fused.index_attention(qi, kvi, idx, topk_length=length, attn_sink=sink, check_indices=False)
+index_bwd.index_backward(qi, kvi, idx, oi, lsei, torch.randn_like(qi), topk_length=length, attn_sink=sink)
 """
 
 test_compute_sanitizer = sanitizer_test(SANITIZED)
