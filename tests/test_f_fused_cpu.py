@@ -18,10 +18,14 @@ from dsv4_attention.stages.f_backward import fused
 
 
 def failures(seed: int, mode, kv_shared: bool, chunk_bytes: int, sq: int = 11, wrong_ratio: bool = False,
-             **mask) -> list:
+             hk: int | None = None, backward_drops: tuple = (), **mask) -> list:
+    """Where fused_backward differs from autograd through the float64 reference. ``mask``: options of
+    both (window, causal, seqused_k, positions, kv_start); ``backward_drops``: of those, the ones
+    the backward is not told (a negative control)."""
     g = torch.Generator().manual_seed(seed)
     b, sk, h, d, nc = 2, 17, 4, 8, 5
-    hk = 1 if mode == "csa" else 2  # the reference's top-k gather reads kv head 0 (DeepSeek-V4: one)
+    if hk is None:
+        hk = 1 if mode == "csa" else 2  # the reference's top-k gather reads kv head 0 (DeepSeek-V4: one)
     q = torch.randn(b, sq, h, d, dtype=torch.float64, generator=g, requires_grad=True)
     kv = torch.randn(b, sk, hk, d, dtype=torch.float64, generator=g, requires_grad=True)
     v = kv if kv_shared else torch.randn(b, sk, hk, d, dtype=torch.float64, generator=g, requires_grad=True)
@@ -39,9 +43,10 @@ def failures(seed: int, mode, kv_shared: bool, chunk_bytes: int, sq: int = 11, w
     given = {n: (x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x) for n, x in entries.items()}
     if wrong_ratio:  # the negative control: the entries' visibility of another ratio
         given["compress_ratio"] = 5
+    told = {n: x for n, x in mask.items() if n not in backward_drops}
     dq, dk, dv, dc, ds = fused.fused_backward(q.detach(), kv.detach(), v.detach(), o.detach(), lse.detach(), do,
                                               softmax_scale=0.3, learnable_sink=sink.detach(),
-                                              chunk_bytes=chunk_bytes, **given, **mask)
+                                              chunk_bytes=chunk_bytes, **given, **told)
     bad = []
     checks = [("dq", dq, q.grad), ("dkv", dk + dv if kv_shared else dk, kv.grad)]
     if not kv_shared:
@@ -80,6 +85,42 @@ def test_checker_rejects_another_ratios_visibility():
     assert failures(1, "hca", True, 1 << 30, wrong_ratio=True, causal=True)
 
 
+#: the queries placed in the keys' frame otherwise than bottom-right: a prefill chunk's absolute
+#: positions (per batch, and with kv holding a sequence's last rows), keys per request
+FRAMES = {
+    "positions": dict(positions=torch.arange(11, dtype=torch.int32) + 3),
+    "positions_per_batch": dict(positions=torch.stack([torch.arange(11) + 1, torch.arange(11) * 2]).int()),
+    "kv_start": dict(positions=torch.arange(11, dtype=torch.int32) + 24, kv_start=20),
+    "seqused_k": dict(seqused_k=torch.tensor([9, 17], dtype=torch.int32)),
+    "seqused_k_positions": dict(seqused_k=torch.tensor([6, 17], dtype=torch.int32),
+                                positions=torch.arange(11, dtype=torch.int32) + 2),
+}
+
+
+@pytest.mark.parametrize("frame", list(FRAMES), ids=list(FRAMES))
+@pytest.mark.parametrize("mode", [None, "hca", "csa"], ids=["window_only", "hca", "csa"])
+def test_placed_queries_go_through_the_lists(mode, frame):
+    """seqused_k, positions and kv_start (DeepSeek-V4's prefill chunks, requests of fewer keys): the
+    layer's backward through ``layer_as_lists`` in that frame (the torch form of index mode here;
+    on Hopper at head dim 512 its kernel) equals autograd through the float64 reference, rows with
+    no visible key included (positions before the first key). Negative control: the backward not
+    told the frame."""
+    for chunk_bytes in (1, 1 << 30):
+        bad = failures(2, mode, True, chunk_bytes, hk=1, window_size=(3, 0), **FRAMES[frame])
+        assert not bad, (chunk_bytes, bad)
+    assert failures(2, mode, True, 1 << 30, hk=1, window_size=(3, 0), backward_drops=tuple(FRAMES[frame]),
+                    **FRAMES[frame])
+
+
+def test_placed_queries_outside_the_lists_form_are_refused():
+    """positions where the layer lacks index mode's form (separate V; no left bound) have no backward:
+    a ValueError naming the rule, never gradients in the wrong frame."""
+    with pytest.raises(ValueError, match="lists_cover"):
+        failures(2, "hca", False, 1 << 30, hk=1, window_size=(3, 0), **FRAMES["positions"])
+    with pytest.raises(ValueError, match="lists_cover"):
+        failures(2, "hca", True, 1 << 30, hk=1, causal=True, **FRAMES["positions"])
+
+
 def test_composed_covers_reads_tensor_options():
     """The rule that routes a call to this backward reads its options by whether they are given:
     a tensor option (seqused_k, offsets of many requests) declines the call, it is never compared
@@ -96,6 +137,37 @@ def test_composed_covers_reads_tensor_options():
     assert composed_covers(q, "hd 512", True, {"kv_start": 0, "seqused_k": None, "num_splits": 1}) is False
     with pytest.raises(RuntimeError, match="ambiguous"):  # the comparison the rule must not make
         bool(torch.tensor([3, 4, 5]) not in (None, 0))
+
+
+def test_the_queries_frame_is_covered_only_in_the_lists_form():
+    """seqused_k, positions and kv_start reach the composed backward only where the call has index
+    mode's form and the caller passes them on (``attention``: ``lists_form``); offsets, ``out`` and
+    splits never; the ops (which do not pass them) keep refusing them."""
+    from dsv4_attention.common.autograd import composed_options_covered
+
+    t = torch.tensor([3, 4, 5])
+    for name, value in (("seqused_k", t), ("positions", t), ("kv_start", 5)):
+        assert composed_options_covered({name: value}) is False
+        assert composed_options_covered({name: value}, lists_form=True) is True
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed", "out", "lse_out"):
+        assert composed_options_covered({name: t}, lists_form=True) is False
+    assert composed_options_covered({"num_splits": 2}, lists_form=True) is False
+    assert composed_options_covered({"kv_start": 0, "num_splits": 1}) is True
+
+
+def test_lists_cover_is_index_modes_form():
+    """``fused.lists_cover``: K = V in one memory, one kv head, both window bounds, lists within
+    MAX_LIST; each condition broken alone declines."""
+    q = torch.zeros(1, 4, 2, 8)
+    kv = torch.zeros(1, 10, 1, 8)
+    ckv = torch.zeros(1, 3, 1, 8)
+    assert fused.lists_cover(q, kv, kv, ckv, None, True, (127, None))
+    assert not fused.lists_cover(q, kv, kv.clone(), ckv, None, True, (127, None))  # V its own memory
+    assert not fused.lists_cover(q, torch.zeros(1, 10, 2, 8), torch.zeros(1, 10, 2, 8), ckv, None, True, (3, 0))
+    assert not fused.lists_cover(q, kv, kv, ckv, None, False, (127, None))  # no right bound
+    assert not fused.lists_cover(q, kv, kv, ckv, None, True, (None, 0))  # no left bound
+    assert not fused.lists_cover(q, kv, kv, torch.zeros(1, fused.MAX_LIST, 1, 8), None, True, (127, 0))
+    assert fused.lists_cover(q, kv, kv, torch.zeros(1, fused.MAX_LIST, 1, 8), torch.zeros(1, 4, 512), True, (127, 0))
 
 
 @pytest.mark.parametrize("mode", [None, "hca", "csa"])

@@ -348,6 +348,42 @@ def test_v4_layer_backward(arch, mode, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("frame", ["positions", "kv_start", "seqused_k"])
+def test_v4_layer_backward_in_a_prefill_frame(arch, frame, record_errors):
+    """DeepSeek-V4's layer trained on a prefill chunk's frame: 300 queries at absolute positions
+    (after 400 earlier tokens), kv holding a sequence's last rows (kv_start 200), or two requests
+    of 500 and 700 keys (seqused_k); HCA (ratio 128) at head dim 512, 64 heads, K = V. The backward
+    goes through index mode's form of the layer (fused.layer_as_lists: on Hopper its kernel),
+    against torch.autograd through the float64 reference in the same frame."""
+    b = 2 if frame == "seqused_k" else 1
+    sq, sk = 300, 700
+    q, kv, _, g = attention_inputs(b, sq, sk, 64, 1, 512, torch.bfloat16, kv_shared=True)
+    do = random_bshd(b, sq, 64, 512, torch.bfloat16, q.device, generator=g)
+    sink = torch.randn(64, generator=g).to(q.device)
+    frames = {"positions": dict(positions=torch.arange(sq, dtype=torch.int32, device=q.device) + 400),
+              "kv_start": dict(positions=torch.arange(sq, dtype=torch.int32, device=q.device) + 600, kv_start=200),
+              "seqused_k": dict(seqused_k=torch.tensor([500, 700], dtype=torch.int32, device=q.device))}
+    opts = frames[frame]
+    ckv = (torch.randn(b, 8, 1, 512, generator=g) / 4).to(q.device, torch.bfloat16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
+    o, _ = attention(leaves[0], leaves[1], compressed_kv=leaves[2], compress_ratio=128, causal=True,
+                     window_size=(127, 0), learnable_sink=leaves[3], **opts)
+    assert o.grad_fn is not None
+    (o.float() * do.float()).sum().backward()
+    ref = [t.detach().double().requires_grad_(True) for t in (q, kv, ckv, sink)]
+    o_ref, _ = reference.fused_attention(ref[0], ref[1], compressed_kv=ref[2], compress_ratio=128, causal=True,
+                                         window_size=(127, 0), learnable_sink=ref[3], **opts)
+    (o_ref * do.double()).sum().backward()
+    for name, out, r in (("dq", leaves[0].grad, ref[0].grad), ("dkv", leaves[1].grad, ref[1].grad),
+                         ("dcompressed", leaves[2].grad, ref[2].grad)):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, v4_frame=frame)
+        assert e.within(2e-2, 8e-2), f"{frame} {name}: {e}"
+    ds, ds_ref = leaves[3].grad.double(), ref[3].grad
+    assert ((ds - ds_ref).norm() / ds_ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_v4_ops_backward_and_torch_compile(arch, record_errors):
     """The ops on DeepSeek-V4's calls: the e_fused op with compressed entries (HCA) and the index op,
     q, kv, the entries and the sink requiring grad; loss.backward() through f_fused_backward /

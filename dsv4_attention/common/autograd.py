@@ -78,7 +78,10 @@ _OP_UNCOVERED = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", 
 
 
 #: options stage F's torch-composed backward (fused_backward) does not take
-_COMPOSED_UNCOVERED = ("seqused_k", "cu_seqlens_q", "cu_seqlens_k", "kv_start", "positions", "cu_seqlens_compressed")
+_COMPOSED_UNCOVERED = ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed")
+#: options it takes only where the layer has index mode's form (fused.lists_cover): the queries'
+#: frame, which its lists carry
+_LISTS_ONLY = ("seqused_k", "kv_start", "positions")
 
 
 def _given(value) -> bool:
@@ -87,15 +90,24 @@ def _given(value) -> bool:
     return isinstance(value, torch.Tensor) or (value is not None and value != 0)
 
 
-def composed_covers(q, kernel_why, entries: bool, options: dict) -> bool:
+def composed_options_covered(options: dict, lists_form: bool = False) -> bool:
+    """``composed_covers``' rule on the call's options alone: one split, no offsets, no ``out`` /
+    ``lse_out``, and seqused_k, positions and kv_start only with ``lists_form``."""
+    if options.get("num_splits") not in (1, None):
+        return False
+    uncovered = _COMPOSED_UNCOVERED + ("out", "lse_out") + (() if lists_form else _LISTS_ONLY)
+    return not any(_given(options.get(n)) for n in uncovered)
+
+
+def composed_covers(q, kernel_why, entries: bool, options: dict, lists_form: bool = False) -> bool:
     """Whether stage F's torch-composed backward (f_backward/fused.py) takes a call that needs a
     gradient: batched CUDA tensors with compressed entries (``entries``) or that its kernel does not
     serve (``kernel_why``: ``serves``' reason, None if it does), and none of the options it does
-    not take (``options``: the call's named arguments; seqused_k, offsets, positions, kv_start,
-    out, lse_out, splits). The one rule for ``attention`` and the attention ops."""
-    if options.get("num_splits") not in (1, None):
-        return False
-    if any(_given(options.get(n)) for n in _COMPOSED_UNCOVERED + ("out", "lse_out")):
+    not take (``options``: the call's named arguments; offsets, out, lse_out, splits; seqused_k,
+    positions and kv_start unless ``lists_form``: the call has index mode's form,
+    ``fused.lists_cover``, and the caller passes them on, as ``attention`` does and the ops do not).
+    The one rule for ``attention`` and the attention ops."""
+    if not composed_options_covered(options, lists_form):
         return False
     if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
         return False
@@ -241,11 +253,14 @@ def index_attention(q, kv, attn_sink, indices, topk_length, softmax_scale, run_f
 class _ComposedAttention(torch.autograd.Function):
     """o, lse = run_forward() (stage E's kernel); backward: stage F's torch-composed ``fused_backward``."""
 
+    TENSORS = ("topk_indices", "seqused_k", "positions")  # options saved as tensors (None where absent)
+
     @staticmethod
     def forward(ctx, q, k, v, compressed_kv, learnable_sink, run_forward, options):
         o, lse = run_forward()
-        ctx.save_for_backward(q, k, v, compressed_kv, learnable_sink, options["topk_indices"], o, lse)
-        ctx.options = {n: x for n, x in options.items() if n != "topk_indices"}
+        tensors = [options.get(n) for n in _ComposedAttention.TENSORS]
+        ctx.save_for_backward(q, k, v, compressed_kv, learnable_sink, o, lse, *tensors)
+        ctx.options = {n: x for n, x in options.items() if n not in _ComposedAttention.TENSORS}
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -253,9 +268,10 @@ class _ComposedAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         from dsv4_attention import stages
 
-        q, k, v, ckv, sink, topk, o, lse = ctx.saved_tensors
+        q, k, v, ckv, sink, o, lse, *tensors = ctx.saved_tensors
+        given = {n: t for n, t in zip(_ComposedAttention.TENSORS, tensors, strict=True) if t is not None}
         dq, dk, dv, dc, dsink = stages.get("f").module.fused_backward(
-            q, k, v, o, lse, do, compressed_kv=ckv, topk_indices=topk, learnable_sink=sink, **ctx.options)
+            q, k, v, o, lse, do, compressed_kv=ckv, learnable_sink=sink, **given, **ctx.options)
         return dq, dk, dv, dc, dsink, None, None
 
 
@@ -263,7 +279,8 @@ def composed_attention(q, k, v, compressed_kv, learnable_sink, run_forward, opti
     """``run_forward()`` (stage E's (o, lse)) made differentiable in q, k, v (v may be k: K = V,
     its two gradients added by autograd), ``compressed_kv`` and ``learnable_sink`` by stage F's
     torch-composed ``fused_backward``; ``options``: compress_ratio, topk_indices, softmax_scale,
-    causal, window_size. The caller checks that the call is within that backward's scope."""
+    causal, window_size, and where given seqused_k, positions, kv_start. The caller checks that the
+    call is within that backward's scope (``composed_covers``)."""
     return _ComposedAttention.apply(q, k, v, compressed_kv, learnable_sink, run_forward, options)
 
 

@@ -122,7 +122,7 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                             for t in (q, k, v, learnable_sink, compressed_kv))
     if grads and _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions,
-                           kv_start, out, lse_out, num_splits):
+                           kv_start, out, lse_out, num_splits, causal, window_size):
         final = get(FINAL).forward
         detached = {n: (None if t is None else t.detach()) for n, t in
                     (("v", v), ("compressed_kv", compressed_kv), ("learnable_sink", learnable_sink))}
@@ -131,11 +131,13 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
             return final(q.detach(), k.detach(), detached["v"], compressed_kv=detached["compressed_kv"],
                          compress_ratio=compress_ratio, topk_indices=topk_indices, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, learnable_sink=detached["learnable_sink"],
-                         pack_gqa=pack_gqa, check_indices=check_indices)
+                         pack_gqa=pack_gqa, check_indices=check_indices, seqused_k=seqused_k,
+                         positions=positions, kv_start=kv_start)
 
         return composed_attention(q, k, k if v is None else v, compressed_kv, learnable_sink, run_forward,
                                   dict(compress_ratio=compress_ratio, topk_indices=topk_indices,
-                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size))
+                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                       seqused_k=seqused_k, positions=positions, kv_start=kv_start))
     if grads and compressed_kv is None and \
             _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink,
                             positions, out, lse_out, num_splits):
@@ -173,16 +175,19 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
 
 
 def _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions, kv_start, out,
-              lse_out, num_splits) -> bool:
+              lse_out, num_splits, causal, window_size) -> bool:
     """Whether a call that needs a gradient goes to stage F's torch-composed backward
-    (common/autograd.composed_covers: compressed entries, or what stage F's kernel lacks)."""
+    (common/autograd.composed_covers: compressed entries, or what stage F's kernel lacks; with
+    seqused_k, positions or kv_start only in index mode's form of the layer, ``fused.lists_cover``)."""
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return False  # (serves() below is for CUDA tensors)
     entries = compressed_kv is not None or topk_indices is not None
-    why = None if entries else get("f").module.serves(q, k, k if v is None else v)
+    f = get("f").module
+    why = None if entries else f.serves(q, k, k if v is None else v)
+    lists_form = f.lists_cover(q, k, k if v is None else v, compressed_kv, topk_indices, causal, window_size)
     return composed_covers(q, why, entries, dict(
         seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, positions=positions,
-        kv_start=kv_start, out=out, lse_out=lse_out, num_splits=num_splits))
+        kv_start=kv_start, out=out, lse_out=lse_out, num_splits=num_splits), lists_form=lists_form)
 
 
 def _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink, positions,

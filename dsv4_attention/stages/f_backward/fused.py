@@ -60,9 +60,11 @@ def tensor_core_gemms(dtype: torch.dtype, device: torch.device):
 
 def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
                    softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
-                   learnable_sink=None, chunk_bytes: int = CHUNK_BYTES):
+                   learnable_sink=None, seqused_k=None, positions=None, kv_start: int = 0,
+                   chunk_bytes: int = CHUNK_BYTES):
     """Gradients of ``o, lse = attention(q, kv, v, ...)`` with stage E's options above (no
-    ``seqused_k``, ``positions``, ``kv_start`` or variable-length batches).
+    variable-length batches). ``seqused_k``, ``positions`` and ``kv_start`` only where the layer
+    has index mode's form (``lists_cover``): their gradients go through ``layer_as_lists``.
 
     Args:
         q: [batch, seqlen_q, heads, d]; kv, v: [batch, seqlen_k, kv_heads, d] (v may be kv).
@@ -72,13 +74,22 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
         compressed_kv: [batch, entries, kv_heads, d] K = V entries, with ``compress_ratio``;
             topk_indices: [batch, seqlen_q, k] int32 (-1: none) or None (every visible entry).
         softmax_scale, causal, window_size, learnable_sink: the forward's.
+        seqused_k: [batch] keys per request; positions: [seqlen_q] or [batch, seqlen_q] the queries'
+            absolute positions; kv_start: the absolute position of kv's row 0 (the forward's).
         chunk_bytes: the temporaries' budget per chunk of queries.
 
     Returns:
         (dq, dk, dv, dcompressed or None, dsink or None), each like its input (dsink fp32).
     """
-    lists = layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size)
-    if lists is not None:  # index mode's kernel on every query's keys (``layer_as_lists``)
+    frame = dict(seqused_k=seqused_k, positions=positions, kv_start=kv_start)
+    placed = seqused_k is not None or positions is not None or kv_start != 0
+    if placed and not lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size):
+        raise ValueError("seqused_k, positions and kv_start have a backward only in index mode's form of the layer "
+                         "(fused.lists_cover: K = V, one kv head, a window with both bounds, lists of at most "
+                         f"{MAX_LIST} positions)")
+    lists = layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size,
+                           kernel_only=not placed, **frame)
+    if lists is not None:  # index mode's backward on every query's keys (``layer_as_lists``)
         return by_lists(q, kv, v, o, lse, do, compressed_kv, lists, softmax_scale, learnable_sink)
     return fused_backward_torch(q, kv, v, o, lse, do, compressed_kv=compressed_kv, compress_ratio=compress_ratio,
                                 topk_indices=topk_indices, softmax_scale=softmax_scale, causal=causal,
@@ -187,39 +198,58 @@ def part(rows, keys, values, ok, scale):
 MAX_LIST = 4096
 
 
-def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size,
-                   kernel_only: bool = True):
-    """DeepSeek-V4's layer as index mode: every query's visible keys as one list into one pool of
-    rows, the batches' raw keys then their compressed entries, ``(pool [b sk + b nc, 1, d],
-    lists [b sq, 1, n] int32)``, where index mode's backward kernel serves the call
-    (``index.kernel_serves``: Hopper, 16-bit, head dim 512, heads a multiple of 64), K = V, one kv
-    head and a window with a left bound (a list of its keys and the entries, at most ``MAX_LIST``);
-    else None. Query i of batch b sits at t = i + sk - sq; its list: raw keys t - left .. t + right
-    inside [0, sk) (-1 outside), then the entries j < floor((t + 1) / ratio) (all of them, HCA) or
-    its top-k entries visible by that rule (CSA), -1 elsewhere. A key's softmax term is the same
-    in either form, so index mode's gradients of the pool are the layer's: dk its raw rows,
-    dcompressed its entries. ``kernel_only`` False: the lists wherever the layer has that form
-    (the host test of their construction, through the torch form)."""
-    from dsv4_attention.stages.f_backward import index
-
-    b, sq, h, d = q.shape
-    sk, hk = kv.shape[1], kv.shape[2]
+def lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size) -> bool:
+    """Whether the layer's call has index mode's form (``layer_as_lists``), from shapes alone: K = V
+    (one memory), one kv head, a window with both bounds (causal: right 0), and every query's list
+    (the window's width, then the entries: all of them or its top-k) at most ``MAX_LIST``."""
     left, right = window_size
     right = 0 if causal else right
-    if v.data_ptr() != kv.data_ptr() or v.shape != kv.shape or hk != 1 or left is None or right is None:
+    if not (isinstance(kv, torch.Tensor) and isinstance(v, torch.Tensor) and kv.dim() == 4):
+        return False
+    if v.data_ptr() != kv.data_ptr() or v.shape != kv.shape or kv.shape[2] != 1 or left is None or right is None:
+        return False
+    width = left + right + 1
+    if compressed_kv is not None:
+        width += compressed_kv.shape[1] if topk_indices is None else topk_indices.shape[-1]
+    return width <= MAX_LIST
+
+
+def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size,
+                   kernel_only: bool = True, seqused_k=None, positions=None, kv_start: int = 0):
+    """DeepSeek-V4's layer as index mode: every query's visible keys as one list into one pool of
+    rows, the batches' raw keys then their compressed entries, ``(pool [b sk + b nc, 1, d],
+    lists [b sq, 1, n] int32)``, where the call has that form (``lists_cover``) and (``kernel_only``)
+    index mode's backward kernel serves it (``index.kernel_serves``: Hopper, 16-bit, head dim 512,
+    heads a multiple of 64); else None. Query i of batch b sits at t = i + n_k - sq (n_k =
+    seqused_k[b] or sk) or, with ``positions``, at t = positions[b, i] - kv_start (the forward's
+    frame: ``reference.fused_attention``); its list: raw keys t - left .. t + right inside [0, n_k)
+    (-1 outside), then the entries j < floor((kv_start + t + 1) / ratio) (all of them, HCA) or its
+    top-k entries visible by that rule (CSA), -1 elsewhere. A key's softmax term is the same in
+    either form, so index mode's gradients of the pool are the layer's: dk its raw rows,
+    dcompressed its entries. ``kernel_only`` False: the lists wherever the layer has that form
+    (calls with seqused_k, positions or kv_start, on any device; the host test of their
+    construction, through the torch form)."""
+    from dsv4_attention.stages.f_backward import index
+
+    if not lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size):
         return None
+    b, sq, h, d = q.shape
+    sk = kv.shape[1]
+    left, right = window_size
+    right = 0 if causal else right
     width = left + right + 1
     nc = 0 if compressed_kv is None else compressed_kv.shape[1]
-    n = width + (nc if topk_indices is None else topk_indices.shape[-1]) if compressed_kv is not None else width
-    if n > MAX_LIST:
-        return None
     dev = q.device
-    t = torch.arange(sq, device=dev) + (sk - sq)  # [sq] the queries' positions
-    keys = t[:, None] - left + torch.arange(width, device=dev)[None]  # [sq, width]
+    n_k = torch.full((b,), sk, device=dev) if seqused_k is None else seqused_k.to(dev).long()
+    if positions is None:
+        t = torch.arange(sq, device=dev)[None] + (n_k - sq)[:, None]  # [b, sq] the queries' positions
+    else:
+        t = positions.to(dev).long().reshape(-1, sq).expand(b, sq) - kv_start
+    keys = t[..., None] - left + torch.arange(width, device=dev)  # [b, sq, width]
     base = torch.arange(b, device=dev)[:, None, None]
-    lists = [torch.where((keys >= 0) & (keys < sk), keys[None] + base * sk, -1).expand(b, sq, width)]
+    lists = [torch.where((keys >= 0) & (keys < n_k[:, None, None]), keys + base * sk, -1)]
     if compressed_kv is not None:
-        count = (torch.clamp(t + 1, min=0) // compress_ratio).clamp(max=nc)[None, :, None]  # [1, sq, 1]
+        count = (torch.clamp(kv_start + t + 1, min=0) // compress_ratio).clamp(max=nc)[..., None]  # [b, sq, 1]
         entries = torch.arange(nc, device=dev)[None, None] if topk_indices is None else topk_indices.long()
         seen = (entries >= 0) & (entries < count)
         lists.append(torch.where(seen, entries + b * sk + base * nc, -1).expand(b, sq, entries.shape[-1]))
