@@ -140,16 +140,18 @@ def test_composed_covers_reads_tensor_options():
 
 
 def test_the_queries_frame_is_covered_only_in_the_lists_form():
-    """seqused_k, positions and kv_start reach the composed backward only where the call has index
-    mode's form and the caller passes them on (``attention``: ``lists_form``); offsets, ``out`` and
-    splits never; the ops (which do not pass them) keep refusing them."""
+    """seqused_k, positions, kv_start and a variable-length batch's offsets reach the composed
+    backward only where the call has index mode's form and the caller passes them on
+    (``attention``: ``lists_form``); ``out`` and splits never; the ops (which do not pass them) keep
+    refusing them."""
     from dsv4_attention.common.autograd import composed_options_covered
 
     t = torch.tensor([3, 4, 5])
-    for name, value in (("seqused_k", t), ("positions", t), ("kv_start", 5)):
+    for name, value in (("seqused_k", t), ("positions", t), ("kv_start", 5), ("cu_seqlens_q", t),
+                        ("cu_seqlens_k", t), ("cu_seqlens_compressed", t)):
         assert composed_options_covered({name: value}) is False
         assert composed_options_covered({name: value}, lists_form=True) is True
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed", "out", "lse_out"):
+    for name in ("out", "lse_out"):
         assert composed_options_covered({name: t}, lists_form=True) is False
     assert composed_options_covered({"num_splits": 2}, lists_form=True) is False
     assert composed_options_covered({"kv_start": 0, "num_splits": 1}) is True
@@ -216,3 +218,70 @@ def test_layer_as_lists_is_the_layer(mode, window):
         bad = through_lists(2)  # negative control: other entries visible
         assert not torch.allclose(bad[0], want[0])
     torch.testing.assert_close(got[3], want[4])
+
+
+def varlen_failures(seed: int, mode, positions: bool = False, wrong_split: bool = False) -> list:
+    """A variable-length batch (requests of 5, 0, 7 and 3 queries over 9, 4, 12 and 2 keys; the
+    default floor(keys / 4) entries a request, 0 for the last) through fused_backward's packed
+    path against autograd through the float64 reference of each request alone (docs/function.md:
+    every rule per request; top-k lists local to the request). ``wrong_split``: the backward told
+    offsets that move a key to the next request (the negative control)."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens, k_lens, h, d, ratio = [5, 0, 7, 3], [9, 4, 12, 2], 4, 8, 4
+    e_lens = [k // ratio for k in k_lens]
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (q_lens, k_lens, e_lens)]
+    cu_q, cu_k, cu_c = cu
+    tq, tk, tc = sum(q_lens), sum(k_lens), sum(e_lens)
+    q = torch.randn(tq, h, d, dtype=torch.float64, generator=g, requires_grad=True)
+    kv = torch.randn(tk, 1, d, dtype=torch.float64, generator=g, requires_grad=True)
+    ckv = torch.randn(tc, 1, d, dtype=torch.float64, generator=g, requires_grad=True) if mode else None
+    sink = torch.tensor([0.5, -math.inf, 3.0, -1.0], dtype=torch.float64, requires_grad=True)
+    topk = None
+    if mode == "csa":
+        topk = torch.cat([torch.randint(-1, max(e, 0), (n, 3), generator=g, dtype=torch.int32)
+                          for n, e in zip(q_lens, e_lens, strict=True)])
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) + 2 * r for r, n in enumerate(q_lens)]) if positions else None
+    outs, lses = [], []
+    for r in range(len(q_lens)):
+        qs, ks, cs = (slice(int(c[r]), int(c[r + 1])) for c in cu)
+        if q_lens[r] == 0:
+            continue
+        extra = dict(compressed_kv=ckv[None, cs], compress_ratio=ratio) if mode else {}
+        if topk is not None:
+            extra["topk_indices"] = topk[None, qs]
+        if pos is not None:
+            extra["positions"] = pos[qs]
+        o_r, lse_r = reference.fused_attention(q[None, qs], kv[None, ks], window_size=(3, 0), learnable_sink=sink,
+                                               softmax_scale=0.3, **extra)
+        outs.append(o_r[0])
+        lses.append(lse_r[0])
+    o, lse = torch.cat(outs), torch.cat(lses, dim=-1)
+    do = torch.randn(tq, h, d, dtype=torch.float64, generator=g)
+    (o * do).sum().backward()
+    told_k = cu_k.clone()
+    if wrong_split:
+        told_k[1] += 1
+    entries = dict(compressed_kv=ckv.detach(), compress_ratio=ratio, topk_indices=topk) if mode else {}
+    dq, dk, dv, dc, ds = fused.fused_backward(q.detach(), kv.detach(), kv.detach(), o.detach(), lse.detach(), do,
+                                              softmax_scale=0.3, window_size=(3, 0), learnable_sink=sink.detach(),
+                                              cu_seqlens_q=cu_q, cu_seqlens_k=told_k, positions=pos, **entries)
+    bad = []
+    checks = [("dq", dq, q.grad), ("dkv", dk + dv, kv.grad)] + ([("dcompressed", dc, ckv.grad)] if mode else [])
+    for name, ours, ref in checks:
+        if not torch.allclose(ours, ref, rtol=1e-9, atol=1e-12):
+            bad.append((name, (ours - ref).abs().max().item()))
+    finite = torch.isfinite(sink.detach())
+    if not torch.allclose(ds.double()[finite], sink.grad[finite], rtol=1e-6) or ds[~finite].any():
+        bad.append(("dsink", ds.tolist(), sink.grad.tolist()))
+    return bad
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["bottom_right", "positions"])
+@pytest.mark.parametrize("mode", [None, "hca", "csa"], ids=["window_only", "hca", "csa"])
+def test_variable_length_batches_go_through_the_lists(mode, positions):
+    bad = varlen_failures(4, mode, positions)
+    assert not bad, bad
+
+
+def test_varlen_checker_rejects_other_offsets():
+    assert varlen_failures(4, "hca", wrong_split=True)

@@ -384,6 +384,54 @@ def test_v4_layer_backward_in_a_prefill_frame(arch, frame, record_errors):
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+def test_v4_layer_backward_varlen(arch, mode, record_errors):
+    """DeepSeek-V4's layer trained on a variable-length batch (requests of 300, 0 and 200 queries over
+    400, 100 and 500 keys; the default entries, floor(keys / ratio) a request; CSA's top-k lists
+    local to each request): q, kv, the entries and the sink requiring grad, the backward through
+    index mode's form of the packed batch (fused.varlen_as_lists; on Hopper its kernel), against
+    torch.autograd through the float64 reference of each request alone."""
+    q_lens, k_lens, ratio = [300, 0, 200], [400, 100, 500], (128 if mode == "hca" else 4)
+    e_lens = [k // ratio for k in k_lens]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    dev = torch.device("cuda")
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+          for n in (q_lens, k_lens, e_lens)]
+    q = (torch.randn(sum(q_lens), 64, 512, generator=g) / 4).to(dev, torch.bfloat16)
+    kv = (torch.randn(sum(k_lens), 1, 512, generator=g) / 4).to(dev, torch.bfloat16)
+    ckv = (torch.randn(sum(e_lens), 1, 512, generator=g) / 4).to(dev, torch.bfloat16)
+    sink = torch.randn(64, generator=g).to(dev)
+    do = torch.randn(sum(q_lens), 64, 512, generator=g).to(dev, torch.bfloat16)
+    topk = None
+    if mode == "csa":
+        topk = torch.cat([torch.randint(-1, max(e, 1), (n, 64), generator=g, dtype=torch.int32)
+                          for n, e in zip(q_lens, e_lens, strict=True)]).to(dev)
+    extra = {} if topk is None else {"topk_indices": topk}
+    leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
+    o, _ = attention(leaves[0], leaves[1], compressed_kv=leaves[2], compress_ratio=ratio, causal=True,
+                     window_size=(127, 0), learnable_sink=leaves[3], cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], **extra)
+    assert o.grad_fn is not None
+    (o.float() * do.float()).sum().backward()
+    ref = [t.detach().double().requires_grad_(True) for t in (q, kv, ckv, sink)]
+    outs = []
+    for r in range(len(q_lens)):
+        qs, ks, cs = (slice(int(c[r]), int(c[r + 1])) for c in cu)
+        if q_lens[r]:
+            lists = {} if topk is None else {"topk_indices": topk[None, qs]}
+            outs.append(reference.fused_attention(ref[0][None, qs], ref[1][None, ks], compressed_kv=ref[2][None, cs],
+                                                  compress_ratio=ratio, causal=True, window_size=(127, 0),
+                                                  learnable_sink=ref[3], **lists)[0][0])
+    (torch.cat(outs) * do.double()).sum().backward()
+    for name, out, r in (("dq", leaves[0].grad, ref[0].grad), ("dkv", leaves[1].grad, ref[1].grad),
+                         ("dcompressed", leaves[2].grad, ref[2].grad)):
+        e = errors(out, r, row_floor=ROW_FLOOR)
+        record_errors(e, grad=name, v4_varlen=mode)
+        assert e.within(2e-2, 8e-2), f"{mode} {name}: {e}"
+    ds, ds_ref = leaves[3].grad.double(), ref[3].grad
+    assert ((ds - ds_ref).norm() / ds_ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
 def test_v4_ops_backward_and_torch_compile(arch, record_errors):
     """The ops on DeepSeek-V4's calls: the e_fused op with compressed entries (HCA) and the index op,
     q, kv, the entries and the sink requiring grad; loss.backward() through f_fused_backward /

@@ -77,11 +77,10 @@ def refuse_op_grad(op, what: str) -> None:
 _OP_UNCOVERED = ("compressed_kv", "compress_ratio", "topk_indices", "kv_start", "positions", "cu_seqlens_compressed")
 
 
-#: options stage F's torch-composed backward (fused_backward) does not take
-_COMPOSED_UNCOVERED = ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed")
-#: options it takes only where the layer has index mode's form (fused.lists_cover): the queries'
-#: frame, which its lists carry
-_LISTS_ONLY = ("seqused_k", "kv_start", "positions")
+#: options stage F's torch-composed backward (fused_backward) takes only where the layer has index
+#: mode's form (fused.lists_cover): the queries' frame and a variable-length batch's offsets, which
+#: its lists carry
+_LISTS_ONLY = ("seqused_k", "kv_start", "positions", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed")
 
 
 def _given(value) -> bool:
@@ -91,11 +90,11 @@ def _given(value) -> bool:
 
 
 def composed_options_covered(options: dict, lists_form: bool = False) -> bool:
-    """``composed_covers``' rule on the call's options alone: one split, no offsets, no ``out`` /
-    ``lse_out``, and seqused_k, positions and kv_start only with ``lists_form``."""
+    """``composed_covers``' rule on the call's options alone: one split, no ``out`` / ``lse_out``,
+    and seqused_k, positions, kv_start and offsets only with ``lists_form``."""
     if options.get("num_splits") not in (1, None):
         return False
-    uncovered = _COMPOSED_UNCOVERED + ("out", "lse_out") + (() if lists_form else _LISTS_ONLY)
+    uncovered = ("out", "lse_out") + (() if lists_form else _LISTS_ONLY)
     return not any(_given(options.get(n)) for n in uncovered)
 
 
@@ -103,13 +102,14 @@ def composed_covers(q, kernel_why, entries: bool, options: dict, lists_form: boo
     """Whether stage F's torch-composed backward (f_backward/fused.py) takes a call that needs a
     gradient: batched CUDA tensors with compressed entries (``entries``) or that its kernel does not
     serve (``kernel_why``: ``serves``' reason, None if it does), and none of the options it does
-    not take (``options``: the call's named arguments; offsets, out, lse_out, splits; seqused_k,
-    positions and kv_start unless ``lists_form``: the call has index mode's form,
-    ``fused.lists_cover``, and the caller passes them on, as ``attention`` does and the ops do not).
-    The one rule for ``attention`` and the attention ops."""
+    not take (``options``: the call's named arguments; out, lse_out, splits; seqused_k, positions,
+    kv_start and a variable-length batch's offsets (packed [total, heads, d] q) unless
+    ``lists_form``: the call has index mode's form, ``fused.lists_cover``, and the caller passes
+    them on, as ``attention`` does and the ops do not). The one rule for ``attention`` and the
+    attention ops."""
     if not composed_options_covered(options, lists_form):
         return False
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 4):
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and (q.dim() == 4 or (lists_form and q.dim() == 3))):
         return False
     return entries or kernel_why is not None
 
@@ -253,7 +253,8 @@ def index_attention(q, kv, attn_sink, indices, topk_length, softmax_scale, run_f
 class _ComposedAttention(torch.autograd.Function):
     """o, lse = run_forward() (stage E's kernel); backward: stage F's torch-composed ``fused_backward``."""
 
-    TENSORS = ("topk_indices", "seqused_k", "positions")  # options saved as tensors (None where absent)
+    # options saved as tensors (None where absent)
+    TENSORS = ("topk_indices", "seqused_k", "positions", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed")
 
     @staticmethod
     def forward(ctx, q, k, v, compressed_kv, learnable_sink, run_forward, options):
@@ -279,8 +280,9 @@ def composed_attention(q, k, v, compressed_kv, learnable_sink, run_forward, opti
     """``run_forward()`` (stage E's (o, lse)) made differentiable in q, k, v (v may be k: K = V,
     its two gradients added by autograd), ``compressed_kv`` and ``learnable_sink`` by stage F's
     torch-composed ``fused_backward``; ``options``: compress_ratio, topk_indices, softmax_scale,
-    causal, window_size, and where given seqused_k, positions, kv_start. The caller checks that the
-    call is within that backward's scope (``composed_covers``)."""
+    causal, window_size, and where given seqused_k, positions, kv_start, a variable-length batch's
+    offsets and max_seqlen_k. The caller checks that the call is within that backward's scope
+    (``composed_covers``)."""
     return _ComposedAttention.apply(q, k, v, compressed_kv, learnable_sink, run_forward, options)
 
 

@@ -122,7 +122,8 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
     grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                             for t in (q, k, v, learnable_sink, compressed_kv))
     if grads and _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions,
-                           kv_start, out, lse_out, num_splits, causal, window_size):
+                           kv_start, out, lse_out, num_splits, causal, window_size, compress_ratio,
+                           cu_seqlens_compressed, max_seqlen_k):
         final = get(FINAL).forward
         detached = {n: (None if t is None else t.detach()) for n, t in
                     (("v", v), ("compressed_kv", compressed_kv), ("learnable_sink", learnable_sink))}
@@ -132,12 +133,16 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
                          compress_ratio=compress_ratio, topk_indices=topk_indices, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, learnable_sink=detached["learnable_sink"],
                          pack_gqa=pack_gqa, check_indices=check_indices, seqused_k=seqused_k,
-                         positions=positions, kv_start=kv_start)
+                         positions=positions, kv_start=kv_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         cu_seqlens_compressed=cu_seqlens_compressed)
 
         return composed_attention(q, k, k if v is None else v, compressed_kv, learnable_sink, run_forward,
                                   dict(compress_ratio=compress_ratio, topk_indices=topk_indices,
                                        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                       seqused_k=seqused_k, positions=positions, kv_start=kv_start))
+                                       seqused_k=seqused_k, positions=positions, kv_start=kv_start,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       cu_seqlens_compressed=cu_seqlens_compressed, max_seqlen_k=max_seqlen_k))
     if grads and compressed_kv is None and \
             _differentiable(compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, learnable_sink,
                             positions, out, lse_out, num_splits):
@@ -175,16 +180,21 @@ def attention(q, k, v=None, *, compressed_kv=None, compress_ratio: int | None = 
 
 
 def _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_seqlens_k, positions, kv_start, out,
-              lse_out, num_splits, causal, window_size) -> bool:
+              lse_out, num_splits, causal, window_size, compress_ratio, cu_seqlens_compressed, max_seqlen_k) -> bool:
     """Whether a call that needs a gradient goes to stage F's torch-composed backward
     (common/autograd.composed_covers: compressed entries, or what stage F's kernel lacks; with
-    seqused_k, positions or kv_start only in index mode's form of the layer, ``fused.lists_cover``)."""
+    seqused_k, positions, kv_start or a variable-length batch only in index mode's form of the
+    layer, ``fused.lists_cover``)."""
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return False  # (serves() below is for CUDA tensors)
     entries = compressed_kv is not None or topk_indices is not None
     f = get("f").module
     why = None if entries else f.serves(q, k, k if v is None else v)
-    lists_form = f.lists_cover(q, k, k if v is None else v, compressed_kv, topk_indices, causal, window_size)
+    bound = None
+    if cu_seqlens_k is not None and isinstance(compressed_kv, torch.Tensor) and compress_ratio:
+        bound = f.varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed,
+                                       max_seqlen_k)
+    lists_form = f.lists_cover(q, k, k if v is None else v, compressed_kv, topk_indices, causal, window_size, bound)
     return composed_covers(q, why, entries, dict(
         seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, positions=positions,
         kv_start=kv_start, out=out, lse_out=lse_out, num_splits=num_splits), lists_form=lists_form)

@@ -19,6 +19,14 @@ names (``index_add_``). A chunk of queries reads only the raw keys its window re
 (fp64 for fp64 inputs; a 16-bit call's GEMMs on TF32 tensor cores: ``tensor_core_gemms``);
 ``tests/test_f_fused_cpu.py`` checks it against torch.autograd through the
 float64 reference (``reference.fused_attention``).
+
+Where the layer has index mode's form (``lists_cover``: K = V, one kv head, a window with both
+bounds: DeepSeek-V4's layers) the call becomes index mode instead: every query's visible keys as
+one list into one pool of rows (``layer_as_lists``; a variable-length batch's, request by
+request, ``varlen_as_lists``), whose backward (``index.index_backward``: the kernel on Hopper at
+head dim 512) gives the pool's gradient, split back into dk and dcompressed. That form also
+carries the queries' frame (``seqused_k``, ``positions``, ``kv_start``) and a packed batch's
+offsets, which the chunked torch form above does not take.
 """
 
 from __future__ import annotations
@@ -60,11 +68,14 @@ def tensor_core_gemms(dtype: torch.dtype, device: torch.device):
 
 def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=None, topk_indices=None,
                    softmax_scale: float | None = None, causal: bool = False, window_size=(None, None),
-                   learnable_sink=None, seqused_k=None, positions=None, kv_start: int = 0,
+                   learnable_sink=None, seqused_k=None, positions=None, kv_start: int = 0, cu_seqlens_q=None,
+                   cu_seqlens_k=None, cu_seqlens_compressed=None, max_seqlen_k: int | None = None,
                    chunk_bytes: int = CHUNK_BYTES):
-    """Gradients of ``o, lse = attention(q, kv, v, ...)`` with stage E's options above (no
-    variable-length batches). ``seqused_k``, ``positions`` and ``kv_start`` only where the layer
-    has index mode's form (``lists_cover``): their gradients go through ``layer_as_lists``.
+    """Gradients of ``o, lse = attention(q, kv, v, ...)`` with stage E's options above.
+    ``seqused_k``, ``positions``, ``kv_start`` and variable-length batches (``cu_seqlens_*``:
+    packed q [total_q, heads, d], kv [total_k, 1, d], lse [heads, total_q]) only where the layer
+    has index mode's form (``lists_cover``): their gradients go through ``layer_as_lists`` /
+    ``varlen_as_lists``.
 
     Args:
         q: [batch, seqlen_q, heads, d]; kv, v: [batch, seqlen_k, kv_heads, d] (v may be kv).
@@ -81,6 +92,10 @@ def fused_backward(q, kv, v, o, lse, do, *, compressed_kv=None, compress_ratio=N
     Returns:
         (dq, dk, dv, dcompressed or None, dsink or None), each like its input (dsink fp32).
     """
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return varlen_backward(q, kv, v, o, lse, do, compressed_kv, compress_ratio, topk_indices, softmax_scale,
+                               causal, window_size, learnable_sink, cu_seqlens_q, cu_seqlens_k, cu_seqlens_compressed,
+                               positions, kv_start, max_seqlen_k)
     frame = dict(seqused_k=seqused_k, positions=positions, kv_start=kv_start)
     placed = seqused_k is not None or positions is not None or kv_start != 0
     if placed and not lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size):
@@ -198,19 +213,24 @@ def part(rows, keys, values, ok, scale):
 MAX_LIST = 4096
 
 
-def lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size) -> bool:
-    """Whether the layer's call has index mode's form (``layer_as_lists``), from shapes alone: K = V
-    (one memory), one kv head, a window with both bounds (causal: right 0), and every query's list
-    (the window's width, then the entries: all of them or its top-k) at most ``MAX_LIST``."""
+def lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, entries: int | None = None) -> bool:
+    """Whether the layer's call has index mode's form (``layer_as_lists``, ``varlen_as_lists``),
+    from shapes alone: K = V (one memory), one kv head, a window with both bounds (causal: right
+    0), and every query's list (the window's width, then the entries: all of them or its top-k) at
+    most ``MAX_LIST``. Batched [b, s, kv_heads, d] or packed [total, kv_heads, d] kv; ``entries``:
+    a request's entries at most (a packed batch's HCA lists; default compressed_kv's entry dim)."""
     left, right = window_size
     right = 0 if causal else right
-    if not (isinstance(kv, torch.Tensor) and isinstance(v, torch.Tensor) and kv.dim() == 4):
+    if not (isinstance(kv, torch.Tensor) and isinstance(v, torch.Tensor) and kv.dim() in (3, 4)):
         return False
-    if v.data_ptr() != kv.data_ptr() or v.shape != kv.shape or kv.shape[2] != 1 or left is None or right is None:
+    if v.data_ptr() != kv.data_ptr() or v.shape != kv.shape or kv.shape[-2] != 1 or left is None or right is None:
         return False
     width = left + right + 1
     if compressed_kv is not None:
-        width += compressed_kv.shape[1] if topk_indices is None else topk_indices.shape[-1]
+        if topk_indices is not None:
+            width += topk_indices.shape[-1]
+        else:
+            width += compressed_kv.shape[-3] if entries is None else entries
     return width <= MAX_LIST
 
 
@@ -259,6 +279,91 @@ def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal
     if kernel_only and index.kernel_serves(q.reshape(b * sq, h, d), pool, lists) is not None:
         return None
     return pool, lists
+
+
+def varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed,
+                         max_seqlen_k: int | None) -> int:
+    """A packed batch's entries per request at most (its HCA lists' width): floor(longest request's
+    keys / ratio) when the entries are the default ones (``max_seqlen_k``, else read from
+    ``cu_seqlens_k``, but not inside a CUDA-graph capture), else compressed_kv's rows (a bound that
+    reads nothing)."""
+    if compressed_kv is None:
+        return 0
+    if cu_seqlens_compressed is not None:
+        return compressed_kv.shape[0]
+    if max_seqlen_k is None and cu_seqlens_k.is_cuda and torch.cuda.is_current_stream_capturing():
+        return compressed_kv.shape[0]  # no host read inside a capture
+    if max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+    return max_seqlen_k // compress_ratio
+
+
+def varlen_as_lists(q, kv, compressed_kv, compress_ratio, topk_indices, causal, window_size, cu_seqlens_q,
+                    cu_seqlens_k, cu_seqlens_compressed=None, positions=None, kv_start: int = 0,
+                    entries: int = 0):
+    """A variable-length batch's layer (docs/function.md: every rule per request) as index mode:
+    ``(pool [total_k + total_c, 1, d], lists [total_q, 1, n] int32)``, the packed raw keys then
+    the packed entries. Token x of request r (cu_q[r] <= x < cu_q[r + 1], local index i) sits at
+    t = i + n_k - n_q (its request's bottom-right alignment) or positions[x] - kv_start; its list:
+    raw keys t - left .. t + right inside [0, n_k) as rows cu_k[r] + j, then the request's entries
+    j < min(its entries, floor((kv_start + t + 1) / ratio)) (``entries`` positions: all of them,
+    HCA; or its top-k list, local to the request, CSA) as rows total_k + cu_c[r] + j; -1 elsewhere.
+    cu_c: ``cu_seqlens_compressed``, or floor(keys / ratio) entries a request."""
+    left, right = window_size
+    right = 0 if causal else right
+    width = left + right + 1
+    total_q, _, d = q.shape
+    total_k = kv.shape[0]
+    dev = q.device
+    cu_q, cu_k = cu_seqlens_q.to(dev).long(), cu_seqlens_k.to(dev).long()
+    x = torch.arange(total_q, device=dev)
+    r = torch.bucketize(x, cu_q[1:], right=True).clamp(max=cu_q.numel() - 2)  # each token's request
+    n_k = (cu_k[1:] - cu_k[:-1])[r]
+    if positions is None:
+        t = x - cu_q[r] + n_k - (cu_q[1:] - cu_q[:-1])[r]
+    else:
+        t = positions.to(dev).long() - kv_start
+    keys = t[:, None] - left + torch.arange(width, device=dev)  # [total_q, width]
+    lists = [torch.where((keys >= 0) & (keys < n_k[:, None]), keys + cu_k[r][:, None], -1)]
+    rows = [kv.reshape(total_k, 1, d)]
+    if compressed_kv is not None:
+        if cu_seqlens_compressed is None:
+            cu_c = torch.zeros_like(cu_k)
+            torch.cumsum((cu_k[1:] - cu_k[:-1]) // compress_ratio, 0, out=cu_c[1:])
+        else:
+            cu_c = cu_seqlens_compressed.to(dev).long()
+        count = torch.minimum(torch.clamp(kv_start + t + 1, min=0) // compress_ratio, (cu_c[1:] - cu_c[:-1])[r])
+        listed = torch.arange(entries, device=dev)[None] if topk_indices is None else topk_indices.to(dev).long()
+        seen = (listed >= 0) & (listed < count[:, None])
+        lists.append(torch.where(seen, listed + total_k + cu_c[r][:, None], -1))
+        rows.append(compressed_kv.reshape(-1, 1, d))
+    lists = torch.cat(lists, dim=-1).to(torch.int32).reshape(total_q, 1, -1)
+    pool = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+    return pool, lists
+
+
+def varlen_backward(q, kv, v, o, lse, do, compressed_kv, compress_ratio, topk_indices, softmax_scale, causal,
+                    window_size, learnable_sink, cu_seqlens_q, cu_seqlens_k, cu_seqlens_compressed, positions,
+                    kv_start, max_seqlen_k):
+    """``fused_backward`` of a variable-length batch: index mode's backward on ``varlen_as_lists``'
+    pool and lists, (dq, dk, dv = 0 (K = V: dk holds both), dcompressed, dsink)."""
+    from dsv4_attention.stages.f_backward import index
+
+    entries = varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed, max_seqlen_k)
+    if cu_seqlens_q is None or cu_seqlens_k is None or q.dim() != 3 or \
+            not lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, entries):
+        raise ValueError("a variable-length batch has a backward only in index mode's form of the layer "
+                         "(fused.lists_cover: both cu_seqlens_q and cu_seqlens_k, K = V, one kv head, a window "
+                         f"with both bounds, lists of at most {MAX_LIST} positions)")
+    pool, idx = varlen_as_lists(q, kv, compressed_kv, compress_ratio, topk_indices, causal, window_size, cu_seqlens_q,
+                                cu_seqlens_k, cu_seqlens_compressed, positions, kv_start, entries)
+    dq, dpool, dsink = index.index_backward(q, pool, idx, o, lse.t().contiguous(), do, attn_sink=learnable_sink,
+                                            softmax_scale=softmax_scale)
+    total_k = kv.shape[0]
+    dk = dpool[:total_k].reshape(kv.shape)
+    # a copy, not a view of dpool: a custom op's outputs may not alias each other
+    dc = None if compressed_kv is None else dpool[total_k:].reshape(compressed_kv.shape).clone()
+    return dq, dk, torch.zeros_like(v), dc, dsink
 
 
 def by_lists(q, kv, v, o, lse, do, compressed_kv, lists, softmax_scale, learnable_sink):
