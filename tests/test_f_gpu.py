@@ -48,7 +48,7 @@ def _sm100_serves(request):
     if params.get("arch") != "sm100":
         return
     head_dim = params.get("head_dim", 128)
-    if head_dim in stage.SM100_HEAD_DIMS:
+    if head_dim in stage.HEAD_DIMS_BY_ARCH["sm100"]:
         return
     q, k, v, g = attention_inputs(1, 100, 100, 2, 1, head_dim, torch.bfloat16)
     o, lse = forward(q, k, v)

@@ -32,6 +32,11 @@ class Stage:
     def head_dims(self):
         return self.module.HEAD_DIMS
 
+    def head_dims_for(self, arch: str) -> tuple:
+        """The head dims ``arch``'s kernel serves: the stage's ``HEAD_DIMS``, or fewer where the stage
+        says so for that architecture (``HEAD_DIMS_BY_ARCH``; stage F's sm100 kernel: 128)."""
+        return getattr(self.module, "HEAD_DIMS_BY_ARCH", {}).get(arch, self.module.HEAD_DIMS)
+
     @property
     def dtypes(self):
         return self.module.DTYPES

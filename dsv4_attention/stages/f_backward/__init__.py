@@ -57,8 +57,9 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90",
            "sm100": "dsv4_attention.stages.f_backward.sm100:FlashAttentionBackwardSm100"}
-#: what sm100's kernel serves of the above (sm100.py: head dim 128)
-SM100_HEAD_DIMS = (128,)
+#: what each architecture's kernel serves of the above (sm100.py: head dim 128); the registry's
+#: ``Stage.head_dims_for`` reads it
+HEAD_DIMS_BY_ARCH = {"sm90": HEAD_DIMS, "sm100": (128,)}
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
 
@@ -185,8 +186,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     limit = max_q + max_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if arch == "sm100" and d not in SM100_HEAD_DIMS:  # after every other check: what sm100's kernel lacks
-        raise ValueError(f"the sm100 backward serves head dims {SM100_HEAD_DIMS}; got {d}")
+    if d not in HEAD_DIMS_BY_ARCH[arch]:  # after every other check: what that architecture's kernel lacks
+        raise ValueError(f"the {arch} backward serves head dims {HEAD_DIMS_BY_ARCH[arch]}; got {d}")
     # deterministic dQ: per (request, head, Q tile), how many KV tiles have added their sum
     turns = torch.zeros((requests, h, -(-max_q // TILE_M)) if deterministic else (1, 1, 1), dtype=torch.int32,
                         device=q.device)
@@ -239,6 +240,6 @@ def serves(q, k, v) -> str | None:
     arch = arch_of_device(q.device)
     if arch not in KERNELS:
         return f"the backward runs on Hopper (sm90) and Blackwell (sm100); these tensors are on {arch}"
-    if arch == "sm100" and q.shape[-1] not in SM100_HEAD_DIMS:
-        return f"the sm100 backward serves head dims {SM100_HEAD_DIMS}; got {q.shape[-1]}"
+    if q.shape[-1] not in HEAD_DIMS_BY_ARCH[arch]:
+        return f"the {arch} backward serves head dims {HEAD_DIMS_BY_ARCH[arch]}; got {q.shape[-1]}"
     return None
