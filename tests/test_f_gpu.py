@@ -383,14 +383,11 @@ def test_v4_layer_backward_in_a_prefill_frame(arch, frame, record_errors):
     assert ((ds - ds_ref).norm() / ds_ref.norm()).item() <= 1e-2
 
 
-@pytest.mark.parametrize("arch", gpu_arch_params())
-@pytest.mark.parametrize("mode", ["hca", "csa"])
-def test_v4_layer_backward_varlen(arch, mode, record_errors):
-    """DeepSeek-V4's layer trained on a variable-length batch (requests of 300, 0 and 200 queries over
-    400, 100 and 500 keys; the default entries, floor(keys / ratio) a request; CSA's top-k lists
-    local to each request): q, kv, the entries and the sink requiring grad, the backward through
-    index mode's form of the packed batch (fused.varlen_as_lists; on Hopper its kernel), against
-    torch.autograd through the float64 reference of each request alone."""
+def varlen_v4_case(mode: str):
+    """A packed batch of DeepSeek-V4's layer, fresh each run: requests of 300, 0 and 200 queries over
+    400, 100 and 500 keys, the default entries (floor(keys / ratio) a request; ratio 128 for HCA, 4
+    for CSA with top-64 lists local to each request), 64 heads at head dim 512, K = V. Returns
+    (q, kv, ckv, sink, do, [cu_q, cu_k, cu_c], topk or None, ratio, q_lens, k_lens)."""
     q_lens, k_lens, ratio = [300, 0, 200], [400, 100, 500], (128 if mode == "hca" else 4)
     e_lens = [k // ratio for k in k_lens]
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
@@ -406,6 +403,17 @@ def test_v4_layer_backward_varlen(arch, mode, record_errors):
     if mode == "csa":
         topk = torch.cat([torch.randint(-1, max(e, 1), (n, 64), generator=g, dtype=torch.int32)
                           for n, e in zip(q_lens, e_lens, strict=True)]).to(dev)
+    return q, kv, ckv, sink, do, cu, topk, ratio, q_lens, k_lens
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+@pytest.mark.parametrize("mode", ["hca", "csa"])
+def test_v4_layer_backward_varlen(arch, mode, record_errors):
+    """DeepSeek-V4's layer trained on a variable-length batch (``varlen_v4_case``): q, kv, the entries
+    and the sink requiring grad, the backward through index mode's form of the packed batch
+    (fused.varlen_as_lists; on Hopper its kernel), against torch.autograd through the float64
+    reference of each request alone."""
+    q, kv, ckv, sink, do, cu, topk, ratio, q_lens, _ = varlen_v4_case(mode)
     extra = {} if topk is None else {"topk_indices": topk}
     leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
     o, _ = attention(leaves[0], leaves[1], compressed_kv=leaves[2], compress_ratio=ratio, causal=True,
@@ -429,6 +437,40 @@ def test_v4_layer_backward_varlen(arch, mode, record_errors):
         assert e.within(2e-2, 8e-2), f"{mode} {name}: {e}"
     ds, ds_ref = leaves[3].grad.double(), ref[3].grad
     assert ((ds - ds_ref).norm() / ds_ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("arch", gpu_arch_params())
+def test_v4_op_backward_varlen_and_torch_compile(arch, record_errors):
+    """The e_fused op on a packed batch of DeepSeek-V4's HCA layer (``varlen_v4_case``), q, kv, the
+    entries and the sink requiring grad: loss.backward() through f_fused_backward (the offsets in
+    its schema) gives attention()'s gradients, and torch.compile(fullgraph=True) of the same step
+    the eager ones."""
+    import dsv4_attention.stages.ops  # noqa: F401  (registers the ops)
+
+    q, kv, ckv, sink, do, cu, _, ratio, q_lens, k_lens = varlen_v4_case("hca")
+    varlen = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+
+    def op_step(q, kv, ckv, sink):
+        o, _ = torch.ops.dsv4_attention.e_fused(q, kv, kv, causal=True, window_left=127, window_right=0,
+                                                learnable_sink=sink, compressed_kv=ckv, compress_ratio=ratio, **varlen)
+        return (o.float() * do.float()).sum()
+
+    def entry_step(q, kv, ckv, sink):
+        o, _ = attention(q, kv, compressed_kv=ckv, compress_ratio=ratio, causal=True, window_size=(127, 0),
+                         learnable_sink=sink, **varlen)
+        return (o.float() * do.float()).sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, kv, ckv, sink)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    eager, entry = grads(op_step), grads(entry_step)
+    compiled = grads(torch.compile(op_step, fullgraph=True))
+    for name, a, b, c in zip(("dq", "dkv", "dcompressed", "dsink"), eager, entry, compiled, strict=True):
+        assert a is not None and torch.isfinite(a).all(), name
+        assert errors(a, b.double()).rel_fro <= 1e-3, name  # the same backward (dkv's atomics: any order)
+        assert errors(c, a.double()).rel_fro <= 1e-3, name
 
 
 @pytest.mark.parametrize("arch", gpu_arch_params())

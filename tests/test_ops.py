@@ -237,3 +237,24 @@ def test_fused_cuda_graph_replay_equals_eager(arch):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager)
+
+
+def test_fake_fused_backward_takes_the_frame_and_offsets():
+    """f_fused_backward's schema carries the queries' frame (seqused_k, positions, kv_start) and a
+    variable-length batch's offsets (index mode's form of the layer): its fake gives each gradient
+    its input's shape (packed q [total_q, heads, d], lse [heads, total_q]), so torch.compile traces
+    the backward of such a call."""
+    q, kv, c = meta(10, 64, 512), meta(30, 1, 512), meta(7, 1, 512)
+    lse = torch.empty(64, 10, dtype=torch.float32, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    pos = torch.empty(10, dtype=torch.int32, device="meta")
+    sink = torch.empty(64, dtype=torch.float32, device="meta")
+    args = (q, kv, kv, q, lse, q)
+    kwargs = dict(compressed_kv=c, compress_ratio=4, causal=True, window_left=127, learnable_sink=sink,
+                  positions=pos, kv_start=5, cu_seqlens_q=cu, cu_seqlens_k=cu, cu_seqlens_compressed=cu,
+                  max_seqlen_k=20)
+    dq, dk, dv, dc, ds = torch.ops.dsv4_attention.f_fused_backward(*args, **kwargs)
+    assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape and dc.shape == c.shape
+    assert ds.shape == (64,) and ds.dtype == torch.float32
+    torch.library.opcheck(torch.ops.dsv4_attention.f_fused_backward, args, kwargs,
+                          test_utils=("test_schema", "test_faketensor"))

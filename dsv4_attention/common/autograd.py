@@ -114,6 +114,26 @@ def composed_covers(q, kernel_why, entries: bool, options: dict, lists_form: boo
     return entries or kernel_why is not None
 
 
+#: the op schema's tensors of the queries' frame and a packed batch's offsets, in composed_op's order
+_OP_FRAME_TENSORS = ("seqused_k", "positions", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_compressed")
+
+
+def _op_lists_form(f, args: dict) -> bool:
+    """Whether an op call has index mode's form of the layer (``fused.lists_cover``), asked only
+    where the call gives one of the options only that form takes (under torch.compile the inputs
+    are fake: K = V is then the same tensor passed twice)."""
+    if not any(_given(args.get(n)) for n in _LISTS_ONLY):
+        return False
+    left, right = args.get("window_left"), args.get("window_right")
+    ckv, ratio = args.get("compressed_kv"), args.get("compress_ratio")
+    bound = None
+    if args.get("cu_seqlens_k") is not None and ckv is not None and ratio:
+        bound = f.varlen_entries_bound(ckv, ratio, args["cu_seqlens_k"], args.get("cu_seqlens_compressed"),
+                                       args.get("max_seqlen_k"))
+    return f.lists_cover(args["q"], args["k"], args["v"], ckv, args.get("topk_indices"), bool(args.get("causal")),
+                         (left, right), bound)
+
+
 def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> None:
     """Register on the attention op ``op`` (stages/ops.py's shared schema) the autograd rule of
     dense attention: where stage F serves the call (no option of ``_OP_UNCOVERED``, one split,
@@ -124,7 +144,9 @@ def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> 
     backward; where it does not (compressed entries, or a head dim, dtype or architecture its kernel
     lacks) but stage F's torch-composed backward does, ``composed_op`` (q, k, v, o, lse, do,
     compressed_kv, compress_ratio, topk_indices, softmax_scale, causal, window_left, window_right,
-    learnable_sink) -> (dq, dk, dv, dcompressed, dsink); elsewhere raise
+    learnable_sink, seqused_k, positions, kv_start, cu_seqlens_q, cu_seqlens_k, cu_seqlens_compressed,
+    max_seqlen_k) -> (dq, dk, dv, dcompressed, dsink) (the frame and offsets only in index mode's
+    form of the layer, ``_op_lists_form``); elsewhere raise
     :class:`NotDifferentiableError` naming the input that requires grad. LSE is marked
     non-differentiable, as in :func:`dense_attention`."""
     names = [a.name for a in op._opoverload._schema.arguments]
@@ -134,15 +156,18 @@ def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> 
         grad_names = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad]
         from dsv4_attention import stages
 
-        why = stages.get("f").module.serves(args["q"], args["k"], args["v"])
+        f = stages.get("f").module
+        why = f.serves(args["q"], args["k"], args["v"])
         entries = args.get("compressed_kv") is not None or args.get("topk_indices") is not None
-        if composed_op is not None and composed_covers(args["q"], why, entries, args):
+        if composed_op is not None and composed_covers(args["q"], why, entries, args, _op_lists_form(f, args)):
             # stage F's torch-composed backward: compressed entries, or what its kernel lacks
             o, lse = output
             ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args.get("compressed_kv"),
-                                  args.get("topk_indices"), args.get("learnable_sink"))
+                                  args.get("topk_indices"), args.get("learnable_sink"),
+                                  *(args.get(n) for n in _OP_FRAME_TENSORS))
             ctx.options = (args.get("compress_ratio"), args.get("softmax_scale"), bool(args.get("causal")),
                            args.get("window_left"), args.get("window_right"))
+            ctx.frame = (args.get("kv_start"), args.get("max_seqlen_k"))
             ctx.composed = True
             ctx.mark_non_differentiable(lse)
             return
@@ -163,10 +188,11 @@ def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> 
 
     def backward(ctx, do, _dlse):
         if ctx.composed:
-            q, k, v, o, lse, ckv, topk, sink = ctx.saved_tensors
+            q, k, v, o, lse, ckv, topk, sink, used, pos, cu_q, cu_k, cu_c = ctx.saved_tensors
             ratio, scale, causal, left, right = ctx.options
+            kv_start, max_k = ctx.frame
             dq, dk, dv, dc, dsink = composed_op(q, k, v, o, lse, do.contiguous(), ckv, ratio, topk, scale, causal,
-                                                left, right, sink)
+                                                left, right, sink, used, pos, kv_start, cu_q, cu_k, cu_c, max_k)
             grads = dict(q=dq, k=dk, v=dv, compressed_kv=dc if ckv is not None else None,
                          learnable_sink=dsink if sink is not None else None)
             return tuple(grads.get(n) for n in names)

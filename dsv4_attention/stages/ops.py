@@ -36,7 +36,8 @@ which has a fake implementation, so ``torch.compile(fullgraph=True)`` traces for
 backward. Calls with compressed entries, or that stage F's kernel does not serve (another head
 dim, dtype or architecture), take stage F's torch-composed backward through the op
 ``dsv4_attention::f_fused_backward``; the index op's backward is ``f_index_backward`` (both with
-fake implementations). Any other call with an input that requires grad under grad mode raises
+fake implementations; the queries' frame and a variable-length batch's offsets in index mode's form
+of the layer, as for ``attention``). Any other call with an input that requires grad under grad mode raises
 ``NotDifferentiableError`` from the op's autograd rule, as does stage A's op.
 """
 
@@ -119,21 +120,30 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    do: torch.Tensor, compressed_kv: torch.Tensor | None = None, compress_ratio: int | None = None,
                    topk_indices: torch.Tensor | None = None, softmax_scale: float | None = None, causal: bool = False,
                    window_left: int | None = None, window_right: int | None = None,
-                   learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor]:
+                   learnable_sink: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, kv_start: int | None = None,
+                   cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                   cu_seqlens_compressed: torch.Tensor | None = None,
+                   max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
     """Stage F's torch-composed backward of stage E's attention as an op: (dq, dk, dv, dcompressed,
-    dsink); dcompressed and dsink are empty ([0]) without entries, without a sink."""
+    dsink); dcompressed and dsink are empty ([0]) without entries, without a sink. The queries'
+    frame (seqused_k, positions, kv_start) and a variable-length batch's offsets where the layer
+    has index mode's form (``fused.lists_cover``)."""
     dq, dk, dv, dc, dsink = stages.get("f").module.fused_backward(
         q, k, v, o, lse, do, compressed_kv=compressed_kv, compress_ratio=compress_ratio, topk_indices=topk_indices,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        learnable_sink=learnable_sink)
+        learnable_sink=learnable_sink, seqused_k=seqused_k, positions=positions, kv_start=kv_start or 0,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, cu_seqlens_compressed=cu_seqlens_compressed,
+        max_seqlen_k=max_seqlen_k)
     empty = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, empty if dc is None else dc, empty if dsink is None else dsink
 
 
 @fused_backward.register_fake
 def _(q, k, v, o, lse, do, compressed_kv=None, compress_ratio=None, topk_indices=None, softmax_scale=None,
-      causal=False, window_left=None, window_right=None, learnable_sink=None):
+      causal=False, window_left=None, window_right=None, learnable_sink=None, seqused_k=None, positions=None,
+      kv_start=None, cu_seqlens_q=None, cu_seqlens_k=None, cu_seqlens_compressed=None, max_seqlen_k=None):
     empty = q.new_empty((0,), dtype=torch.float32)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),

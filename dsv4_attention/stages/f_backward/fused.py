@@ -213,6 +213,17 @@ def part(rows, keys, values, ok, scale):
 MAX_LIST = 4096
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """K = V: one tensor passed twice, or two views of the same memory and shape (a fake tensor of
+    torch.compile's tracing has no data pointer: there the tensor itself decides)."""
+    if a is b:
+        return True
+    try:
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    except RuntimeError:
+        return False
+
+
 def lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, entries: int | None = None) -> bool:
     """Whether the layer's call has index mode's form (``layer_as_lists``, ``varlen_as_lists``),
     from shapes alone: K = V (one memory), one kv head, a window with both bounds (causal: right
@@ -223,7 +234,7 @@ def lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, entr
     right = 0 if causal else right
     if not (isinstance(kv, torch.Tensor) and isinstance(v, torch.Tensor) and kv.dim() in (3, 4)):
         return False
-    if v.data_ptr() != kv.data_ptr() or v.shape != kv.shape or kv.shape[-2] != 1 or left is None or right is None:
+    if not same_memory(kv, v) or kv.shape[-2] != 1 or left is None or right is None:
         return False
     width = left + right + 1
     if compressed_kv is not None:
@@ -294,7 +305,10 @@ def varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens
     if max_seqlen_k is None and cu_seqlens_k.is_cuda and torch.cuda.is_current_stream_capturing():
         return compressed_kv.shape[0]  # no host read inside a capture
     if max_seqlen_k is None:
-        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+        try:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+        except Exception:  # noqa: BLE001 - torch.compile's fake offsets have no values: the bound that reads none
+            return compressed_kv.shape[0]
     return max_seqlen_k // compress_ratio
 
 
