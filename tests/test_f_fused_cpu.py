@@ -47,12 +47,19 @@ def failures(seed: int, mode, kv_shared: bool, chunk_bytes: int, sq: int = 11, w
     dq, dk, dv, dc, ds = fused.fused_backward(q.detach(), kv.detach(), v.detach(), o.detach(), lse.detach(), do,
                                               softmax_scale=0.3, learnable_sink=sink.detach(),
                                               chunk_bytes=chunk_bytes, **given, **told)
-    bad = []
     checks = [("dq", dq, q.grad), ("dkv", dk + dv if kv_shared else dk, kv.grad)]
     if not kv_shared:
         checks.append(("dv", dv, v.grad))
     if mode:
         checks.append(("dcompressed", dc, ckv.grad))
+    return grad_failures(checks, ds, sink)
+
+
+def grad_failures(checks, ds, sink) -> list:
+    """The gradients of ``checks`` ((name, ours, autograd's)) that differ from autograd's in float64,
+    and the sink's (``ds`` against ``sink.grad``: equal where the sink is finite, 0 where -inf,
+    where autograd gives NaN)."""
+    bad = []
     for name, ours, ref in checks:
         if not torch.allclose(ours, ref, rtol=1e-9, atol=1e-12):
             bad.append((name, (ours - ref).abs().max().item()))
@@ -265,15 +272,8 @@ def varlen_failures(seed: int, mode, positions: bool = False, wrong_split: bool 
     dq, dk, dv, dc, ds = fused.fused_backward(q.detach(), kv.detach(), kv.detach(), o.detach(), lse.detach(), do,
                                               softmax_scale=0.3, window_size=(3, 0), learnable_sink=sink.detach(),
                                               cu_seqlens_q=cu_q, cu_seqlens_k=told_k, positions=pos, **entries)
-    bad = []
     checks = [("dq", dq, q.grad), ("dkv", dk + dv, kv.grad)] + ([("dcompressed", dc, ckv.grad)] if mode else [])
-    for name, ours, ref in checks:
-        if not torch.allclose(ours, ref, rtol=1e-9, atol=1e-12):
-            bad.append((name, (ours - ref).abs().max().item()))
-    finite = torch.isfinite(sink.detach())
-    if not torch.allclose(ds.double()[finite], sink.grad[finite], rtol=1e-6) or ds[~finite].any():
-        bad.append(("dsink", ds.tolist(), sink.grad.tolist()))
-    return bad
+    return grad_failures(checks, ds, sink)
 
 
 @pytest.mark.parametrize("positions", [False, True], ids=["bottom_right", "positions"])
