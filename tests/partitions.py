@@ -19,6 +19,25 @@ import cutlass
 import cutlass.cute as cute
 
 
+def stat_views(acc_layout) -> dict:
+    """The softmax statistics' views of an accumulator (``common.softmax``'s row and column views),
+    as lists: ``views[name][s][j]`` is the register of statistic s's j-th value, for
+    ``stat_failures``."""
+    from dsv4_attention.common.softmax import acc_cols_layout, acc_rows_layout
+
+    out = {}
+    for name, fn in (("rows", acc_rows_layout), ("cols", acc_cols_layout)):
+        view = fn(acc_layout)
+        out[name] = [[int(view((a, b))) for b in range(cute.size(view, mode=[1]))]
+                     for a in range(cute.size(view, mode=[0]))]
+    return out
+
+
+def partition_coords(tiled_mma, thread: int, shape) -> list[tuple[int, int]]:
+    """``coords`` of thread ``thread``'s accumulator values of ``tiled_mma`` over a ``shape`` tile."""
+    return coords(tiled_mma.get_slice(thread).partition_C(cute.make_identity_tensor(shape)))
+
+
 def coords(part) -> list[tuple[int, int]]:
     """The (m, n) of every value of ``part`` (a partition of an identity tile), in value order."""
     base = tuple(int(x) for x in part.iterator)

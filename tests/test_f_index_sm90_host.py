@@ -26,12 +26,10 @@ Nothing is launched.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
 import pytest
-from partitions import coords, stat_failures
+from partitions import partition_coords, stat_failures, stat_views
 
 from dsv4_attention.common.layout_proof import as_ints, offset_of, swizzle_bytes, trace
-from dsv4_attention.common.softmax import acc_cols_layout, acc_rows_layout
 from dsv4_attention.stages.f_backward import sm90_index as kernel
 
 pytestmark = [pytest.mark.stage_f, pytest.mark.proof, pytest.mark.arch("sm90")]
@@ -124,17 +122,10 @@ def owners():
             kernel.make_dkv_tiled_mma(dtype)
         thr = sdp.get_slice(0)
         acc = thr.make_fragment_C(thr.partition_shape_C((H, N)))
-        out = {"s": [], "dq": [], "dkv": [], "views": {}}
-        for name, fn in (("rows", acc_rows_layout), ("cols", acc_cols_layout)):
-            view = fn(acc.layout)
-            out["views"][name] = [[int(view((a, b))) for b in range(cute.size(view, mode=[1]))]
-                                  for a in range(cute.size(view, mode=[0]))]
-        for t in range(CONSUMERS):
-            out["s"].append(coords(sdp.get_slice(t).partition_C(cute.make_identity_tensor((H, N)))))
-            out["dq"].append(coords(dq.get_slice(t).partition_C(cute.make_identity_tensor((H, D)))))
-        for t in range(128):
-            out["dkv"].append(coords(dkv.get_slice(t).partition_C(cute.make_identity_tensor((N, kernel.DKV_CHUNK)))))
-        return out
+        return {"views": stat_views(acc.layout),
+                "s": [partition_coords(sdp, t, (H, N)) for t in range(CONSUMERS)],
+                "dq": [partition_coords(dq, t, (H, D)) for t in range(CONSUMERS)],
+                "dkv": [partition_coords(dkv, t, (N, kernel.DKV_CHUNK)) for t in range(128)]}
 
     return trace(body, arch="sm90")
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import pytest
-from partitions import coords, stat_failures
+from partitions import coords, partition_coords, stat_failures, stat_views
 
 from dsv4_attention.common.layout_proof import as_ints, offset_of, trace
 from dsv4_attention.common.p_staging import make_pv_tiled_mma
 from dsv4_attention.common.sm90_gemm import make_tile_smem_layout, make_tile_smem_layout_mn, make_tiled_mma
-from dsv4_attention.common.softmax import acc_cols_layout, acc_rows_layout
 from dsv4_attention.stages.f_backward import sm90 as kernel
 
 pytestmark = [pytest.mark.stage_f, pytest.mark.proof, pytest.mark.arch("sm90")]
@@ -77,16 +76,10 @@ def held(head_dim: int) -> dict:
         dq = kernel.make_dq_tiled_mma(dtype, head_dim)
         thr = sdp.get_slice(0)
         acc = thr.make_fragment_C(thr.partition_shape_C((TILE_N, TILE_M)))
-        out = {"s": [], "dq": [], "dkv": [], "views": {}}
-        for name, fn in (("cols", acc_cols_layout), ("rows", acc_rows_layout)):
-            view = fn(acc.layout)
-            out["views"][name] = [[int(view((a, b))) for b in range(cute.size(view, mode=[1]))]
-                                  for a in range(cute.size(view, mode=[0]))]
-        for t in range(THREADS):
-            out["s"].append(coords(sdp.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))))
-            out["dq"].append(coords(dq.get_slice(t).partition_C(cute.make_identity_tensor((TILE_M, head_dim)))))
-            out["dkv"].append(coords(dkv.get_slice(t).partition_C(cute.make_identity_tensor((TILE_N, head_dim)))))
-        return out
+        return {"views": stat_views(acc.layout),
+                "s": [partition_coords(sdp, t, (TILE_N, TILE_M)) for t in range(THREADS)],
+                "dq": [partition_coords(dq, t, (TILE_M, head_dim)) for t in range(THREADS)],
+                "dkv": [partition_coords(dkv, t, (TILE_N, head_dim)) for t in range(THREADS)]}
 
     return trace(body, arch="sm90")
 

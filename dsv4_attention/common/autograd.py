@@ -119,19 +119,15 @@ _OP_FRAME_TENSORS = ("seqused_k", "positions", "cu_seqlens_q", "cu_seqlens_k", "
 
 
 def _op_lists_form(f, args: dict) -> bool:
-    """Whether an op call has index mode's form of the layer (``fused.lists_cover``), asked only
+    """Whether an op call has index mode's form of the layer (``fused.lists_form``), asked only
     where the call gives one of the options only that form takes (under torch.compile the inputs
     are fake: K = V is then the same tensor passed twice)."""
     if not any(_given(args.get(n)) for n in _LISTS_ONLY):
         return False
-    left, right = args.get("window_left"), args.get("window_right")
-    ckv, ratio = args.get("compressed_kv"), args.get("compress_ratio")
-    bound = None
-    if args.get("cu_seqlens_k") is not None and ckv is not None and ratio:
-        bound = f.varlen_entries_bound(ckv, ratio, args["cu_seqlens_k"], args.get("cu_seqlens_compressed"),
-                                       args.get("max_seqlen_k"))
-    return f.lists_cover(args["q"], args["k"], args["v"], ckv, args.get("topk_indices"), bool(args.get("causal")),
-                         (left, right), bound)
+    return f.lists_form(args["q"], args["k"], args["v"], args.get("compressed_kv"), args.get("compress_ratio"),
+                        args.get("topk_indices"), bool(args.get("causal")),
+                        (args.get("window_left"), args.get("window_right")), args.get("cu_seqlens_k"),
+                        args.get("cu_seqlens_compressed"), args.get("max_seqlen_k"))
 
 
 def register_attention_op_grad(op, what: str, backward_op, composed_op=None) -> None:

@@ -189,17 +189,17 @@ def _composed(q, k, v, compressed_kv, topk_indices, seqused_k, cu_seqlens_q, cu_
     """Whether a call that needs a gradient goes to stage F's torch-composed backward
     (common/autograd.composed_covers: compressed entries, or what stage F's kernel lacks; with
     seqused_k, positions, kv_start or a variable-length batch only in index mode's form of the
-    layer, ``fused.lists_cover``)."""
+    layer, ``fused.lists_form``)."""
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return False  # (serves() below is for CUDA tensors)
     entries = compressed_kv is not None or topk_indices is not None
     f = get("f").module
     why = None if entries else f.serves(q, k, k if v is None else v)
-    bound = None
-    if cu_seqlens_k is not None and isinstance(compressed_kv, torch.Tensor) and compress_ratio:
-        bound = f.varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed,
-                                       max_seqlen_k)
-    lists_form = f.lists_cover(q, k, k if v is None else v, compressed_kv, topk_indices, causal, window_size, bound)
+    # asked only where an option only that form takes is given (a packed batch's bound may read its offsets)
+    placed = kv_start or any(x is not None for x in (seqused_k, positions, cu_seqlens_q, cu_seqlens_k))
+    lists_form = bool(placed) and f.lists_form(q, k, k if v is None else v, compressed_kv, compress_ratio,
+                                               topk_indices, causal, window_size, cu_seqlens_k,
+                                               cu_seqlens_compressed, max_seqlen_k)
     return composed_covers(q, why, entries, dict(
         seqused_k=seqused_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, positions=positions,
         kv_start=kv_start, out=out, lse_out=lse_out, num_splits=num_splits), lists_form=lists_form)

@@ -45,10 +45,10 @@ from dsv4_attention.common.varlen import padded_index, padded_total
 from dsv4_attention.stages.f_backward import index as index_kernels
 from dsv4_attention.stages.f_backward import preprocess
 from dsv4_attention.stages.f_backward import sink as sink_terms
-from dsv4_attention.stages.f_backward.fused import fused_backward, lists_cover, varlen_entries_bound
+from dsv4_attention.stages.f_backward.fused import fused_backward, lists_form
 from dsv4_attention.stages.f_backward.index import index_backward
 
-__all__ = ["backward", "flops", "fused_backward", "index_backward", "lists_cover", "serves", "varlen_entries_bound"]
+__all__ = ["backward", "flops", "fused_backward", "index_backward", "lists_form", "serves"]
 
 ID = "f"
 NAME = "backward"

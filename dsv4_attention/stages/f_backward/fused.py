@@ -245,6 +245,17 @@ def lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, entr
     return width <= MAX_LIST
 
 
+def lists_form(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size, cu_seqlens_k=None,
+               cu_seqlens_compressed=None, max_seqlen_k: int | None = None) -> bool:
+    """``lists_cover`` for a call as the forward receives it: a variable-length batch's HCA lists
+    as wide as its entries' bound (``varlen_entries_bound``). The one rule the routing of
+    ``attention`` and of the ops asks before the forward runs."""
+    bound = None
+    if cu_seqlens_k is not None and isinstance(compressed_kv, torch.Tensor) and compress_ratio:
+        bound = varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed, max_seqlen_k)
+    return lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, bound)
+
+
 def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal, window_size,
                    kernel_only: bool = True, seqused_k=None, positions=None, kv_start: int = 0):
     """DeepSeek-V4's layer as index mode: every query's visible keys as one list into one pool of
@@ -253,12 +264,10 @@ def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal
     index mode's backward kernel serves it (``index.kernel_serves``: Hopper, 16-bit, head dim 512,
     heads a multiple of 64); else None. Query i of batch b sits at t = i + n_k - sq (n_k =
     seqused_k[b] or sk) or, with ``positions``, at t = positions[b, i] - kv_start (the forward's
-    frame: ``reference.fused_attention``); its list: raw keys t - left .. t + right inside [0, n_k)
-    (-1 outside), then the entries j < floor((kv_start + t + 1) / ratio) (all of them, HCA) or its
-    top-k entries visible by that rule (CSA), -1 elsewhere. A key's softmax term is the same in
-    either form, so index mode's gradients of the pool are the layer's: dk its raw rows,
-    dcompressed its entries. ``kernel_only`` False: the lists wherever the layer has that form
-    (calls with seqused_k, positions or kv_start, on any device; the host test of their
+    frame: ``reference.fused_attention``); its list is ``token_lists``'. A key's softmax term is
+    the same in either form, so index mode's gradients of the pool are the layer's: dk its raw
+    rows, dcompressed its entries. ``kernel_only`` False: the lists wherever the layer has that
+    form (calls with seqused_k, positions or kv_start, on any device; the host test of their
     construction, through the torch form)."""
     from dsv4_attention.stages.f_backward import index
 
@@ -266,9 +275,6 @@ def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal
         return None
     b, sq, h, d = q.shape
     sk = kv.shape[1]
-    left, right = window_size
-    right = 0 if causal else right
-    width = left + right + 1
     nc = 0 if compressed_kv is None else compressed_kv.shape[1]
     dev = q.device
     n_k = torch.full((b,), sk, device=dev) if seqused_k is None else seqused_k.to(dev).long()
@@ -276,20 +282,41 @@ def layer_as_lists(q, kv, v, compressed_kv, compress_ratio, topk_indices, causal
         t = torch.arange(sq, device=dev)[None] + (n_k - sq)[:, None]  # [b, sq] the queries' positions
     else:
         t = positions.to(dev).long().reshape(-1, sq).expand(b, sq) - kv_start
-    keys = t[..., None] - left + torch.arange(width, device=dev)  # [b, sq, width]
-    base = torch.arange(b, device=dev)[:, None, None]
-    lists = [torch.where((keys >= 0) & (keys < n_k[:, None, None]), keys + base * sk, -1)]
-    if compressed_kv is not None:
-        count = (torch.clamp(kv_start + t + 1, min=0) // compress_ratio).clamp(max=nc)[..., None]  # [b, sq, 1]
-        entries = torch.arange(nc, device=dev)[None, None] if topk_indices is None else topk_indices.long()
-        seen = (entries >= 0) & (entries < count)
-        lists.append(torch.where(seen, entries + b * sk + base * nc, -1).expand(b, sq, entries.shape[-1]))
-    lists = torch.cat(lists, dim=-1).to(torch.int32).reshape(b * sq, 1, -1)
-    rows = [kv.reshape(b * sk, 1, d)] + ([] if compressed_kv is None else [compressed_kv.reshape(b * nc, 1, d)])
-    pool = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+    batch = torch.arange(b, device=dev).repeat_interleave(sq)  # each token's batch
+    listed = None if topk_indices is None else topk_indices.reshape(b * sq, -1)
+    lists = token_lists(t.reshape(-1), n_k[batch], batch * sk, torch.full_like(batch, nc), b * sk + batch * nc,
+                        listed, nc, window_size, causal, compress_ratio, kv_start, compressed_kv is not None)
+    pool = row_pool(kv, compressed_kv)
     if kernel_only and index.kernel_serves(q.reshape(b * sq, h, d), pool, lists) is not None:
         return None
     return pool, lists
+
+
+def token_lists(t, n_k, key_row0, n_entries, entry_row0, listed, entries: int, window_size, causal: bool,
+                compress_ratio, kv_start: int, with_entries: bool) -> torch.Tensor:
+    """Index mode's list of each query token ([tokens, 1, n] int32 rows of ``row_pool``'s pool), from
+    its position t in the raw keys' frame, its request's key count n_k and first pool row
+    key_row0, entry count and first entry row (all [tokens]): raw keys t - left .. t + right
+    inside [0, n_k) as rows key_row0 + j, then (``with_entries``) the entries j < min(n_entries,
+    floor((kv_start + t + 1) / ratio)) of ``listed`` ([tokens, k] top-k indices local to the
+    request, CSA; None: all ``entries`` of them, HCA) as rows entry_row0 + j; -1 elsewhere."""
+    left, right = window_size
+    right = 0 if causal else right
+    keys = t[:, None] - left + torch.arange(left + right + 1, device=t.device)  # [tokens, width]
+    lists = [torch.where((keys >= 0) & (keys < n_k[:, None]), keys + key_row0[:, None], -1)]
+    if with_entries:
+        count = torch.minimum(torch.clamp(kv_start + t + 1, min=0) // compress_ratio, n_entries)
+        listed = torch.arange(entries, device=t.device)[None] if listed is None else listed.to(t.device).long()
+        seen = (listed >= 0) & (listed < count[:, None])
+        lists.append(torch.where(seen, listed + entry_row0[:, None], -1))
+    return torch.cat(lists, dim=-1).to(torch.int32).reshape(t.shape[0], 1, -1)
+
+
+def row_pool(kv, compressed_kv) -> torch.Tensor:
+    """One pool of K = V rows [rows, 1, d]: kv's rows (batched or packed), then the entries'."""
+    d = kv.shape[-1]
+    rows = [kv.reshape(-1, 1, d)] + ([] if compressed_kv is None else [compressed_kv.reshape(-1, 1, d)])
+    return torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
 
 
 def varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed,
@@ -318,51 +345,33 @@ def varlen_as_lists(q, kv, compressed_kv, compress_ratio, topk_indices, causal, 
     """A variable-length batch's layer (docs/function.md: every rule per request) as index mode:
     ``(pool [total_k + total_c, 1, d], lists [total_q, 1, n] int32)``, the packed raw keys then
     the packed entries. Token x of request r (cu_q[r] <= x < cu_q[r + 1], local index i) sits at
-    t = i + n_k - n_q (its request's bottom-right alignment) or positions[x] - kv_start; its list:
-    raw keys t - left .. t + right inside [0, n_k) as rows cu_k[r] + j, then the request's entries
-    j < min(its entries, floor((kv_start + t + 1) / ratio)) (``entries`` positions: all of them,
-    HCA; or its top-k list, local to the request, CSA) as rows total_k + cu_c[r] + j; -1 elsewhere.
-    cu_c: ``cu_seqlens_compressed``, or floor(keys / ratio) entries a request."""
-    left, right = window_size
-    right = 0 if causal else right
-    width = left + right + 1
-    total_q, _, d = q.shape
-    total_k = kv.shape[0]
+    t = i + n_k - n_q (its request's bottom-right alignment) or positions[x] - kv_start; its list
+    is ``token_lists``' over its request's keys (rows cu_k[r] ..) and entries (rows total_k +
+    cu_c[r] ..; ``entries`` positions for HCA, its top-k list local to the request for CSA). cu_c:
+    ``cu_seqlens_compressed``, or floor(keys / ratio) entries a request."""
+    total_q, total_k = q.shape[0], kv.shape[0]
     dev = q.device
     cu_q, cu_k = cu_seqlens_q.to(dev).long(), cu_seqlens_k.to(dev).long()
     x = torch.arange(total_q, device=dev)
     r = torch.bucketize(x, cu_q[1:], right=True).clamp(max=cu_q.numel() - 2)  # each token's request
     n_k = (cu_k[1:] - cu_k[:-1])[r]
-    if positions is None:
-        t = x - cu_q[r] + n_k - (cu_q[1:] - cu_q[:-1])[r]
+    t = x - cu_q[r] + n_k - (cu_q[1:] - cu_q[:-1])[r] if positions is None else positions.to(dev).long() - kv_start
+    if cu_seqlens_compressed is not None:
+        cu_c = cu_seqlens_compressed.to(dev).long()
     else:
-        t = positions.to(dev).long() - kv_start
-    keys = t[:, None] - left + torch.arange(width, device=dev)  # [total_q, width]
-    lists = [torch.where((keys >= 0) & (keys < n_k[:, None]), keys + cu_k[r][:, None], -1)]
-    rows = [kv.reshape(total_k, 1, d)]
-    if compressed_kv is not None:
-        if cu_seqlens_compressed is None:
-            cu_c = torch.zeros_like(cu_k)
+        cu_c = torch.zeros_like(cu_k)
+        if compressed_kv is not None:
             torch.cumsum((cu_k[1:] - cu_k[:-1]) // compress_ratio, 0, out=cu_c[1:])
-        else:
-            cu_c = cu_seqlens_compressed.to(dev).long()
-        count = torch.minimum(torch.clamp(kv_start + t + 1, min=0) // compress_ratio, (cu_c[1:] - cu_c[:-1])[r])
-        listed = torch.arange(entries, device=dev)[None] if topk_indices is None else topk_indices.to(dev).long()
-        seen = (listed >= 0) & (listed < count[:, None])
-        lists.append(torch.where(seen, listed + total_k + cu_c[r][:, None], -1))
-        rows.append(compressed_kv.reshape(-1, 1, d))
-    lists = torch.cat(lists, dim=-1).to(torch.int32).reshape(total_q, 1, -1)
-    pool = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
-    return pool, lists
+    lists = token_lists(t, n_k, cu_k[r], (cu_c[1:] - cu_c[:-1])[r], total_k + cu_c[r], topk_indices, entries,
+                        window_size, causal, compress_ratio, kv_start, compressed_kv is not None)
+    return row_pool(kv, compressed_kv), lists
 
 
 def varlen_backward(q, kv, v, o, lse, do, compressed_kv, compress_ratio, topk_indices, softmax_scale, causal,
                     window_size, learnable_sink, cu_seqlens_q, cu_seqlens_k, cu_seqlens_compressed, positions,
                     kv_start, max_seqlen_k):
     """``fused_backward`` of a variable-length batch: index mode's backward on ``varlen_as_lists``'
-    pool and lists, (dq, dk, dv = 0 (K = V: dk holds both), dcompressed, dsink)."""
-    from dsv4_attention.stages.f_backward import index
-
+    pool and lists (``pool_backward``)."""
     entries = varlen_entries_bound(compressed_kv, compress_ratio, cu_seqlens_k, cu_seqlens_compressed, max_seqlen_k)
     if cu_seqlens_q is None or cu_seqlens_k is None or q.dim() != 3 or \
             not lists_cover(q, kv, v, compressed_kv, topk_indices, causal, window_size, entries):
@@ -371,27 +380,30 @@ def varlen_backward(q, kv, v, o, lse, do, compressed_kv, compress_ratio, topk_in
                          f"with both bounds, lists of at most {MAX_LIST} positions)")
     pool, idx = varlen_as_lists(q, kv, compressed_kv, compress_ratio, topk_indices, causal, window_size, cu_seqlens_q,
                                 cu_seqlens_k, cu_seqlens_compressed, positions, kv_start, entries)
-    dq, dpool, dsink = index.index_backward(q, pool, idx, o, lse.t().contiguous(), do, attn_sink=learnable_sink,
-                                            softmax_scale=softmax_scale)
-    total_k = kv.shape[0]
-    dk = dpool[:total_k].reshape(kv.shape)
-    # a copy, not a view of dpool: a custom op's outputs may not alias each other
-    dc = None if compressed_kv is None else dpool[total_k:].reshape(compressed_kv.shape).clone()
-    return dq, dk, torch.zeros_like(v), dc, dsink
+    return pool_backward(q, kv, v, o, lse.t(), do, compressed_kv, pool, idx, softmax_scale, learnable_sink)
 
 
 def by_lists(q, kv, v, o, lse, do, compressed_kv, lists, softmax_scale, learnable_sink):
-    """``fused_backward`` through index mode's backward on ``layer_as_lists``' pool and lists:
-    (dq, dk, dv = 0 (K = V: dk holds both), dcompressed, dsink)."""
-    from dsv4_attention.stages.f_backward import index
-
+    """``fused_backward`` through index mode's backward on ``layer_as_lists``' pool and lists
+    (``pool_backward`` on the batches' tokens as one list each)."""
     pool, idx = lists
     b, sq, h, d = q.shape
-    sk = kv.shape[1]
-    dq, dpool, dsink = index.index_backward(
-        q.reshape(b * sq, h, d), pool, idx, o.reshape(b * sq, h, d), lse.permute(0, 2, 1).reshape(b * sq, h),
-        do.reshape(b * sq, h, d), attn_sink=learnable_sink, softmax_scale=softmax_scale)
-    dk = dpool[:b * sk].reshape(kv.shape)
+    grads = pool_backward(q.reshape(b * sq, h, d), kv, v, o.reshape(b * sq, h, d), lse.permute(0, 2, 1).reshape(-1, h),
+                          do.reshape(b * sq, h, d), compressed_kv, pool, idx, softmax_scale, learnable_sink)
+    return (grads[0].reshape(q.shape),) + grads[1:]
+
+
+def pool_backward(q, kv, v, o, lse, do, compressed_kv, pool, idx, softmax_scale, learnable_sink):
+    """Index mode's backward (``index.index_backward``: the kernel where it serves) of one list a
+    token ([tokens, heads, d] q, o, do; lse [tokens, heads]) into ``row_pool(kv, compressed_kv)``,
+    the pool's gradient split back: (dq, dk like kv, dv = 0 (K = V: dk holds both), dcompressed
+    like compressed_kv or None, dsink)."""
+    from dsv4_attention.stages.f_backward import index
+
+    dq, dpool, dsink = index.index_backward(q, pool, idx, o, lse.contiguous(), do, attn_sink=learnable_sink,
+                                            softmax_scale=softmax_scale)
+    raw = kv.numel() // kv.shape[-1]
+    dk = dpool[:raw].reshape(kv.shape)
     # a copy, not a view of dpool: a custom op's outputs may not alias each other (f_fused_backward)
-    dc = None if compressed_kv is None else dpool[b * sk:].reshape(compressed_kv.shape).clone()
-    return dq.reshape(q.shape), dk, torch.zeros_like(v), dc, dsink
+    dc = None if compressed_kv is None else dpool[raw:].reshape(compressed_kv.shape).clone()
+    return dq, dk, torch.zeros_like(v), dc, dsink
