@@ -69,6 +69,48 @@ def stat_failures(s_coords: list, view: list, axis: int) -> list:
     return bad
 
 
+def transpose_mismatches(lays, written: str, read: str, rows: int, cols: int, stages: int) -> list:
+    """Where an SMEM buffer written through layout ``written`` ((rows, cols, stages), K-major) is
+    not read back through ``read`` (its (cols, rows, stages) MN-major transpose) at the same
+    offset, or under another swizzle. ``lays[name]`` = (swizzle, shape, stride, ...) as traced."""
+    from dsv4_attention.common.layout_proof import offset_of
+
+    wsw, wshape, wstride = lays[written][:3]
+    rsw, rshape, rstride = lays[read][:3]
+    bad = [("swizzle", wsw, rsw)] if wsw != rsw else []
+    bad += [(r, c, s) for s in range(stages) for r in range(rows) for c in range(cols)
+            if offset_of(wshape, wstride, (r, c, s)) != offset_of(rshape, rstride, (c, r, s))]
+    return bad
+
+
+def exchange_failures(acc_coords: list, shape, wrong: bool = False) -> list:
+    """A wgmma accumulator's 16-byte reductions (``common.sm90_reduce``) replayed on coordinates:
+    lane t's four values per column group n (``exchange_pairs`` on its own and lane t ^ 1's
+    coordinates, ``acc_coords[t]``) must be the row and columns the kernel's address names
+    (``reduced_at``, plus 8 n columns), four adjacent columns from a multiple of 4 (16-byte
+    aligned), and over the threads every (row, column) of ``shape`` reduced exactly once.
+    ``wrong``: the lanes keep the other pair, the negative control."""
+    from dsv4_attention.common import sm90_reduce as red
+
+    bad, seen = [], []
+    for t, own_all in enumerate(acc_coords):
+        partner_all = acc_coords[t ^ 1]
+        odd = bool(t % 2) != wrong
+        red_row, red_col = red.reduced_at(own_all, odd)
+        for n in range(len(own_all) // 4):
+            (x0, x1), (y0, y1) = red.value_quad(n)
+            own = ((own_all[x0], own_all[x1]), (own_all[y0], own_all[y1]))
+            partner = ((partner_all[x0], partner_all[x1]), (partner_all[y0], partner_all[y1]))
+            got = red.exchange_pairs(odd, own, partner)
+            want = tuple((red_row, red_col + 8 * n + j) for j in range(4))
+            if got != want or red_col % 4:
+                bad.append((t, n, got, want))
+            seen += list(got)
+    if sorted(seen) != sorted((r, c) for r in range(shape[0]) for c in range(shape[1])):
+        bad.append("the reductions do not cover the tile once")
+    return bad
+
+
 def kblock_strided(acc_layout):
     """k-block j = column octets (j, j + v/2): the octet mode split (v/2, 2), not (2, v/2)."""
     (c, r, v), m, n = acc_layout.shape

@@ -142,11 +142,11 @@ def test_index_kernel_compiles_within_budget():
 
 def test_each_architecture_names_the_head_dims_its_kernel_serves():
     """The registry's ``Stage.head_dims_for``: stage F's sm100 kernel serves head dim 128 alone, its
-    sm90 kernel 64 and 128; a stage that names no narrower set serves its HEAD_DIMS on each
+    sm90 kernels 64, 128 and 256 (sm90_wide.py at 256); a stage that names no narrower set serves its HEAD_DIMS on each
     architecture. ``serves`` and the compile sweep read the same table."""
     from dsv4_attention import stages
 
     f = stages.get("f")
-    assert f.head_dims_for("sm100") == (128,) and f.head_dims_for("sm90") == (64, 128) == tuple(f.head_dims)
+    assert f.head_dims_for("sm100") == (128,) and f.head_dims_for("sm90") == (64, 128, 256) == tuple(f.head_dims)
     e = stages.get("e")
     assert e.head_dims_for("sm100") == e.head_dims_for("sm90") == e.head_dims

@@ -873,6 +873,13 @@ with torch.no_grad():
     o, lse = e_fused.forward(q, k, v, causal=True)
 f_backward.backward(q, k, v, o, lse, do, causal=True)
 f_backward.backward(q, k, v, o, lse, do, causal=True, deterministic=True)
+# head dim 256 (sm90_wide.py): dQ's reductions from registers, the turn protocol, a window
+q, k, v, g = attention_inputs(1, 200, 300, 4, 2, 256, torch.bfloat16)
+do = random_bshd(1, 200, 4, 256, torch.bfloat16, q.device, generator=g)
+with torch.no_grad():
+    o, lse = e_fused.forward(q, k, v, window_size=(70, 20))
+f_backward.backward(q, k, v, o, lse, do, window_size=(70, 20))
+f_backward.backward(q, k, v, o, lse, do, window_size=(70, 20), deterministic=True)
 # index mode's kernel (sm90_index.py; the torch form elsewhere): -1 padding, an index past the rows,
 # a token with no valid index, lengths, k not a multiple of its 64-row step
 from dsv4_attention.stages.f_backward import index as index_bwd

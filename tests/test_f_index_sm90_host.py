@@ -16,7 +16,7 @@ own builders (``smem_layouts``, its three tiled MMAs, stage E's ``gather_offset`
    that head's, the two rows distinct heads. Negative control: the column view.
 4. The reductions. In each thread's dkv values, 2 m and 2 m + 1 are one row's columns (c, c + 1)
    with c even (negative control: pairs shifted by one value); after the exchange between lanes
-   t and t ^ 1 (``exchange_dkv_pairs``), each lane's four values of column group n are one row's
+   t and t ^ 1 (``common.sm90_reduce.exchange_pairs``), each lane's four values of column group n are one row's
    columns red_col + 8 n .. + 3, the row and columns the kernel's address names, red_col a
    multiple of 4 (a 16-byte-aligned v4 reduction), and the warpgroup's reductions cover the chunk
    once. Negative control: each lane keeping the other pair.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import cutlass
 import pytest
-from partitions import partition_coords, stat_failures, stat_views
+from partitions import exchange_failures, partition_coords, stat_failures, stat_views, transpose_mismatches
 
 from dsv4_attention.common.layout_proof import as_ints, offset_of, swizzle_bytes, trace
 from dsv4_attention.stages.f_backward import sm90_index as kernel
@@ -90,15 +90,6 @@ def test_gather_writes_where_the_rows_layout_holds_them(lays):
 
 def test_gather_checker_rejects_an_unswizzled_copy(lays):
     assert gather_failures(lays, unswizzled=True)
-
-
-def transpose_mismatches(lays, written: str, read: str, rows: int, cols: int, stages: int) -> list:
-    wsw, wshape, wstride = lays[written]
-    rsw, rshape, rstride = lays[read]
-    bad = [("swizzle", wsw, rsw)] if wsw != rsw else []
-    bad += [(r, c, s) for s in range(stages) for r in range(rows) for c in range(cols)
-            if offset_of(wshape, wstride, (r, c, s)) != offset_of(rshape, rstride, (c, r, s))]
-    return bad
 
 
 @pytest.mark.parametrize("view", [("sP", "sPt", H, N, kernel.DS_STAGES), ("sQ", "sQt", H, D, 1),
@@ -166,38 +157,10 @@ def test_pair_checker_rejects_shifted_pairs(owners):
     assert pair_failures(owners["dkv"], shift=1)
 
 
-def exchange_failures(dkv_coords: list, wrong: bool = False) -> list:
-    """The dkv reduction after the lane exchange, replayed on coordinates: lane t's four values per
-    column group n (``kernel.exchange_dkv_pairs`` on its own and lane t ^ 1's coordinates) must be
-    the row and columns the kernel's address names (``red_row`` / ``red_col`` from group 0's
-    coordinates, plus 8 n columns), four adjacent columns from a multiple of 4 (a 16-byte-aligned
-    v4 reduction), and over the warpgroup every (row, column) of the chunk reduced exactly once.
-    ``wrong``: the lanes keep the other pair (the even lane row 1's), the negative control."""
-    bad, seen = [], []
-    (a0, _), (b0, _) = kernel.dkv_quad(0)
-    for t, own_all in enumerate(dkv_coords):
-        partner_all = dkv_coords[t ^ 1]
-        odd = bool(t % 2) != wrong
-        red_row = own_all[b0][0] if odd else own_all[a0][0]
-        red_col = own_all[a0][1] - 2 if odd else own_all[a0][1]
-        for n in range(len(own_all) // 4):
-            (x0, x1), (y0, y1) = kernel.dkv_quad(n)
-            own = ((own_all[x0], own_all[x1]), (own_all[y0], own_all[y1]))
-            partner = ((partner_all[x0], partner_all[x1]), (partner_all[y0], partner_all[y1]))
-            got = kernel.exchange_dkv_pairs(odd, own, partner)
-            want = tuple((red_row, red_col + 8 * n + j) for j in range(4))
-            if got != want or red_col % 4:
-                bad.append((t, n, got, want))
-            seen += list(got)
-    if sorted(seen) != sorted((r, c) for r in range(N) for c in range(kernel.DKV_CHUNK)):
-        bad.append("the reductions do not cover the chunk once")
-    return bad
-
-
 def test_dkv_exchange_makes_16_byte_reductions(owners):
-    bad = exchange_failures(owners["dkv"])
+    bad = exchange_failures(owners["dkv"], (N, kernel.DKV_CHUNK))
     assert not bad, bad[:4]
 
 
 def test_exchange_checker_rejects_the_other_pair(owners):
-    assert exchange_failures(owners["dkv"], wrong=True)
+    assert exchange_failures(owners["dkv"], (N, kernel.DKV_CHUNK), wrong=True)

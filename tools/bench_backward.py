@@ -6,10 +6,8 @@ makes for one loss.backward() (ours: D and the LSE padding, the kernel, dQ's rou
 its preprocess, kernel and postprocess), given the forward's O and LSE; median of CUDA events
 over rotated input sets. FLOPs: 2.5x the forward's over the visible pairs (FlashAttention's count).
 Two rows in deterministic mode (``deterministic=True`` for both libraries: dQ summed in a fixed
-order), hd 128 causal at 4k and 16k: what bitwise repeatability costs. Head dim 256 (the issue's
-third head dim; the kernel serves 64 / 128, so ``attention``'s backward there is the torch-composed
-``fused_backward``): 16 heads, 8k tokens a launch, seqlen 2k and 8k, causal and not, against FA4's
-backward: what the missing kernel costs.
+order), hd 128 causal at 4k and 16k: what bitwise repeatability costs. Head dim 256 through
+stages/f_backward/sm90_wide.py (64-key tiles, dK and dV split by columns), 16 heads.
 
 DeepSeek-V4's backwards (stages/f_backward/index.py, fused.py): index mode (V4-Flash: 64 heads,
 top-640; V4-Pro: 128 heads, top-1152; d 512, 4k-32k tokens: the kernel at every size, its
@@ -43,6 +41,16 @@ def fa4_backward(q, k, v, do, causal, deterministic=False):
     return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
 
 
+def time_peer(name: str, calls, flop: int, tf: dict, peer_ms: dict) -> None:
+    """A peer's median time over ``calls()`` (its callables; built inside, so that a peer missing
+    or refusing the case is reported, not raised) into ``tf`` (TFLOP/s) and ``peer_ms``."""
+    try:
+        t = bench.time_ms(calls())
+        tf[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
+        print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+
+
 def _dense_sets(dev, b, h, s, d, causal) -> list:
     """Rotated input sets (q, k, v, o, lse, do) of a dense row, O and LSE from stage E's forward."""
     from dsv4_attention.stages import e_fused
@@ -65,11 +73,8 @@ def backward_row(dev, b, h, s, d, causal, peers=("fa4",), deterministic=False) -
     flop = stage.flops(b, s, s, h, d, causal=causal)
     tf, peer_ms = {}, {}
     for name in peers:
-        try:
-            t = bench.time_ms([fa4_backward(q, k, v, do, causal, deterministic) for q, k, v, _, _, do in sets])
-            tf[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-            print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+        time_peer(name, lambda: [fa4_backward(q, k, v, do, causal, deterministic) for q, k, v, _, _, do in sets],
+                  flop, tf, peer_ms)
     row = {
         "stage": stage.ID, "case": f"bwd b{b} h{h} sq{s} sk{s} hd{d}{' causal' if causal else ''} bf16"
                                    f"{' deterministic' if deterministic else ''}",
@@ -80,46 +85,19 @@ def backward_row(dev, b, h, s, d, causal, peers=("fa4",), deterministic=False) -
     return row
 
 
-def dense_composed_row(dev, b, h, s, d, causal) -> dict:
-    """A dense head dim the kernel does not serve (256): ``attention``'s backward there is the
-    torch-composed ``fused_backward`` (K != V: no index-mode lists), against FA4's backward on the
-    same tensors; ours timed over 5 calls after one warm-up (it is slow)."""
-    from dsv4_attention.stages import f_backward as stage
-
-    sets = _dense_sets(dev, b, h, s, d, causal)
-    ms = bench.time_ms([lambda a=a: stage.fused_backward(*a, causal=causal) for a in sets], warmup=1, iters=5)
-    flop = stage.flops(b, s, s, h, d, causal=causal)
-    tf, peer_ms = {}, {}
-    try:
-        t = bench.time_ms([fa4_backward(q, k, v, do, causal) for q, k, v, _, _, do in sets])
-        tf["fa4"], peer_ms["fa4"] = round(bench.tflops(flop, t), 1), round(t, 4)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-        print(f"peer fa4 failed: {type(e).__name__}: {e}"[:300], flush=True)
-    row = {
-        "stage": stage.ID, "case": f"bwd b{b} h{h} sq{s} sk{s} hd{d}{' causal' if causal else ''} bf16 torch-composed",
-        "head_dim": d, "seqlen": s, "ours_ms": round(ms, 4), "ours_tflops": round(bench.tflops(flop, ms), 1),
-        "peers": tf, "peer_ms": peer_ms, "time_ratio_vs": {k: round(ms / v, 3) for k, v in peer_ms.items()},
-    }
-    print(f"stage f {row['case']}: ours {ms:.3f} ms ({row['ours_tflops']} TFLOP/s)  peers {tf}", flush=True)
-    return row
-
-
 def bench_stage_f(dev) -> list:
-    """hd 64 / 128, causal and not, seqlen 2k-16k (the issue's range), against FA4's backward; hd
-    256 (torch-composed) at 2k and 8k; DeepSeek-V4's index mode and HCA layer at 4k-32k tokens
+    """hd 64 / 128 / 256, causal and not, seqlen 2k-16k (the issue's range), against FA4's backward;
+    DeepSeek-V4's index mode and HCA layer at 4k-32k tokens
     against cuDNN's sparse backward (their torch forms at 4k and 8k only); index mode's training
     step (forward + backward) against FlashMLA's forward + cuDNN's backward at 4k and 8k."""
     rows = []
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             for s in (2048, 4096, 8192, 16384):
                 h = 32 if d == 64 else 16
                 rows.append(backward_row(dev, max(1, 16384 // s), h, s, d, causal))
     for s in (4096, 16384):
         rows.append(backward_row(dev, 16384 // s, 16, s, 128, True, deterministic=True))
-    for causal in (False, True):
-        for s in (2048, 8192):  # the torch form is slow: two lengths, half the tokens a launch
-            rows.append(dense_composed_row(dev, max(1, 16384 // s // 2), 16, s, 256, causal))
     for tokens in (4096, 8192, 16384, 32768):
         torch_form = tokens <= 8192  # the torch forms' time and memory grow past the group's budget
         for heads, topk in ((64, 640), (128, 1152)):
@@ -162,15 +140,7 @@ def index_backward_row(dev, tokens, heads, topk, torch_form: bool = False) -> di
     ms = bench.time_ms([lambda: ours(q, kv, idx, o, lse, do, attn_sink=sink)], warmup=1, iters=5)
     flop = 2 * tokens * heads * topk * (3 * 512 + 2 * 512)
     tf, peer_ms = {}, {}
-    try:
-        import cudnn.deepseek_sparse_attention as dsa  # pyright: ignore[reportMissingImports] (GPU peer)
-
-        rows = idx[:, 0].contiguous()
-        t = bench.time_ms([lambda: dsa.sparse_attention_backward_wrapper(q, kv[:, 0], o, do, lse.contiguous(), sink,
-                                                                         rows)])
-        tf["cudnn_dsa"], peer_ms["cudnn_dsa"] = round(bench.tflops(flop, t), 1), round(t, 4)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-        print(f"peer cudnn_dsa failed: {type(e).__name__}: {e}"[:300], flush=True)
+    time_peer("cudnn_dsa", lambda: [_cudnn_backward(q, kv, o, do, lse, sink, idx[:, 0])], flop, tf, peer_ms)
     form = "torch-composed" if torch_form else "kernel"
     return _v4_row(f"bwd index {form} tokens{tokens} h{heads} topk{topk} hd512 bf16", ms, flop, tf, peer_ms)
 
@@ -202,21 +172,16 @@ def hca_backward_row(dev, tokens, heads=64, torch_form: bool = False) -> dict:
     flop = int(10 * heads * 512 * pairs)
     tf, peer_ms = {}, {}
     if not torch_form:
-        try:
-            import cudnn.deepseek_sparse_attention as dsa  # pyright: ignore[reportMissingImports] (GPU peer)
-
+        def peer_calls():
             made = layer_as_lists(q, kv, kv, ckv, 128, None, True, (127, 0))
             if made is None:
                 raise ValueError("layer_as_lists: index mode's kernel does not serve this layer here")
-            pool, lists = made
-            rows = lists[:, 0].contiguous()  # [tokens, n] int32, -1 for none
-            q_flat, o_flat, do_flat = (x.reshape(tokens, heads, 512) for x in (q, o, do))
-            lse_flat = lse.permute(0, 2, 1).reshape(tokens, heads).contiguous()  # [1, h, s] -> [tokens, h]
-            t = bench.time_ms([lambda: dsa.sparse_attention_backward_wrapper(q_flat, pool[:, 0], o_flat, do_flat,
-                                                                             lse_flat, sink, rows)])
-            tf["cudnn_dsa"], peer_ms["cudnn_dsa"] = round(bench.tflops(flop, t), 1), round(t, 4)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-            print(f"peer cudnn_dsa failed: {type(e).__name__}: {e}"[:300], flush=True)
+            pool, lists = made  # lists [tokens, 1, n] int32, -1 for none
+            flat = [x.reshape(tokens, heads, 512) for x in (q, o, do)]
+            lse_flat = lse.permute(0, 2, 1).reshape(tokens, heads)  # [1, h, s] -> [tokens, h]
+            return [_cudnn_backward(flat[0], pool, flat[1], flat[2], lse_flat, sink, lists[:, 0])]
+
+        time_peer("cudnn_dsa", peer_calls, flop, tf, peer_ms)
     form = "torch-composed" if torch_form else "kernel-lists"
     return _v4_row(f"bwd v4 hca {form} tokens{tokens} h{heads} hd512 window128 ratio128 bf16", ms, flop, tf,
                    peer_ms)
@@ -241,9 +206,8 @@ def index_step_row(dev, tokens, heads, topk) -> dict:
         ms = bench.time_ms([ours], warmup=1, iters=5)
     flop = 2 * tokens * heads * topk * (512 + 512) + 2 * tokens * heads * topk * (3 * 512 + 2 * 512)
     tf, peer_ms = {}, {}
-    name = "flashmla+cudnn_dsa"
-    try:
-        import cudnn.deepseek_sparse_attention as dsa  # pyright: ignore[reportMissingImports] (GPU peer)
+
+    def peer_calls():
         import flashmla_peer  # pyright: ignore[reportMissingImports] (GPU peer)
 
         rows = idx[:, 0].contiguous()
@@ -251,14 +215,22 @@ def index_step_row(dev, tokens, heads, topk) -> dict:
         def peer():
             # FlashMLA's (O, max logits, LSE [tokens, heads]: natural log, without the sink)
             o, _, lse = flashmla_peer.sparse_prefill_fwd(q, kv, idx, 512 ** -0.5, 512, sink, None)
-            return dsa.sparse_attention_backward_wrapper(q, kv[:, 0], o, do, lse.contiguous(), sink, rows)
+            return _cudnn_backward(q, kv, o, do, lse, sink, rows)()
 
-        with torch.no_grad():
-            t = bench.time_ms([peer])
-        tf[name], peer_ms[name] = round(bench.tflops(flop, t), 1), round(t, 4)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot run this case is reported
-        print(f"peer {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+        return [peer]
+
+    time_peer("flashmla+cudnn_dsa", peer_calls, flop, tf, peer_ms)
     return _v4_row(f"step fwd+bwd index tokens{tokens} h{heads} topk{topk} hd512 bf16", ms, flop, tf, peer_ms)
+
+
+def _cudnn_backward(q, kv, o, do, lse, sink, rows):
+    """cuDNN-frontend's sparse backward (the device pack's peer) on index mode's operands: q, o, do
+    [tokens, heads, 512], kv [rows, 1, 512] K = V, lse [tokens, heads], rows [tokens, k] int32
+    (-1: none), as a call to time."""
+    import cudnn.deepseek_sparse_attention as dsa  # pyright: ignore[reportMissingImports] (GPU peer)
+
+    rows, lse = rows.contiguous(), lse.contiguous()  # once, outside the timed call
+    return lambda: dsa.sparse_attention_backward_wrapper(q, kv[:, 0], o, do, lse, sink, rows)
 
 
 def _v4_row(case, ms, flop, tf, peer_ms) -> dict:

@@ -56,6 +56,9 @@ class Sm90BwdBarrier(enum.IntEnum):
     # (consumers arrive, the dQ warp syncs), and sdQ is free again (the other way round)
     DQ_FULL = 5
     DQ_EMPTY = 6
+    # (deterministic, the head-dim-256 kernel stages/f_backward/sm90_wide.py) the consumers meet
+    # thread 0 at dQ's turn, before their reductions and after them
+    DQ_TURN = 7
 
 
 @dsl_user_op

@@ -1,7 +1,8 @@
 """Stage F: the backward of attention (training). dQ, dK, dV of dense attention from the forward's
 O and LSE, recomputing P tile by tile: nothing of size seqlen_q x seqlen_k is ever stored.
 
-Issue 44's first steps: head dims 64 and 128, bf16 / fp16, GQA / MQA (the group's dK and dV
+Issue 44's first steps: head dims 64, 128 and 256 (sm90_wide.py: dK and dV split by columns
+between the warpgroups, 64-key tiles), bf16 / fp16, GQA / MQA (the group's dK and dV
 summed inside one CTA), causal and sliding windows (bottom-right aligned, the forward's
 convention), per-batch key counts (``seqused_k``) and variable-length batches (``cu_seqlens_q`` /
 ``cu_seqlens_k``, packed [total, heads, d] tensors), on Hopper (sm90.py); on Blackwell
@@ -53,7 +54,7 @@ __all__ = ["backward", "flops", "fused_backward", "index_backward", "lists_form"
 ID = "f"
 NAME = "backward"
 ADDS = "gradients: dQ, dK, dV recomputing P per tile (dK, dV per KV tile in registers, dQ by a TMA reduce-add a visit)"
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackwardSm90",
            "sm100": "dsv4_attention.stages.f_backward.sm100:FlashAttentionBackwardSm100"}
@@ -62,16 +63,23 @@ KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackward
 HEAD_DIMS_BY_ARCH = {"sm90": HEAD_DIMS, "sm100": (128,)}
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
-
-_dense_kernel = jit.kernel_maker(KERNELS)
-
+#: head dims whose dK and dV do not fit sm90.py's registers: sm90_wide.py's kernel, 64 keys a CTA
+WIDE_HEAD_DIMS, WIDE_TILE_N = (256,), 64
+WIDE_KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90_wide:FlashAttentionBackwardSm90Wide"}
 
 def make_kernel(arch: str, dtype, head_dim: int, index_mode: bool = False, **options):
     """The dense backward's kernel for the options, or (``index_mode``) index mode's
     (index.KERNELS: sm90_index.py), which the compile harness reaches by that option."""
     if index_mode:
         return jit.kernel_maker(index_kernels.KERNELS)(arch, dtype, head_dim, **options)
-    return _dense_kernel(arch, dtype, head_dim, **options)
+    return jit.kernel_maker(_kernels(arch, head_dim)[0])(arch, dtype, head_dim, **options)
+
+
+def _kernels(arch: str, head_dim: int) -> tuple:
+    """(kernel table, keys per CTA) of the dense backward at this head dim."""
+    if arch == "sm90" and head_dim in WIDE_HEAD_DIMS:
+        return WIDE_KERNELS, WIDE_TILE_N
+    return KERNELS, TILE_N
 
 
 def example_args(dtype: torch.dtype, head_dim: int, index_mode: bool = False, **_):
@@ -105,7 +113,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     (the loss's gradient reaches o only: LSE is an output without one).
 
     Args:
-        q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head_dim 64 or 128; [total_q, heads,
+        q: [batch, seqlen_q, heads, head_dim], bf16 or fp16, head_dim 64, 128 or 256 (sm90; sm100:
+            128); [total_q, heads,
             head_dim] with ``cu_seqlens_q``.
         k, v: [batch, seqlen_k, kv_heads, head_dim] (kv_heads dividing heads; [total_k, ...] with
             ``cu_seqlens_k``); v may be k.
@@ -166,11 +175,14 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
         if t is not None:
             check_out(name, t, k.shape[1:] if varlen else k.shape, k.dtype, k.device)
-    if varlen:  # rows padded per request; dK and dV through a padded workspace too
+    if d not in HEAD_DIMS_BY_ARCH[arch]:  # after every other check: what that architecture's kernel lacks
+        raise ValueError(f"the {arch} backward serves head dims {HEAD_DIMS_BY_ARCH[arch]}; got {d}")
+    kernels, tile_n = _kernels(arch, d)
+    if varlen:  # rows padded per request; dK and dV through a padded workspace too (by the kernel's tile)
         requests = cu_seqlens_q.shape[0] - 1
         rows, q_rows = padded_total(sq, requests, TILE_M), padded_index(cu_seqlens_q, sq, TILE_M)
-        k_rows = padded_index(cu_seqlens_k, k.shape[1], TILE_N)
-        kv_shape = (1, padded_total(k.shape[1], requests, TILE_N)) + tuple(k.shape[2:])
+        k_rows = padded_index(cu_seqlens_k, k.shape[1], tile_n)
+        kv_shape = (1, padded_total(k.shape[1], requests, tile_n)) + tuple(k.shape[2:])
         dk = torch.empty(kv_shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(kv_shape, dtype=k.dtype, device=k.device)
     else:
@@ -186,8 +198,6 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     limit = max_q + max_k
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if d not in HEAD_DIMS_BY_ARCH[arch]:  # after every other check: what that architecture's kernel lacks
-        raise ValueError(f"the {arch} backward serves head dims {HEAD_DIMS_BY_ARCH[arch]}; got {d}")
     # deterministic dQ: per (request, head, Q tile), how many KV tiles have added their sum
     turns = torch.zeros((requests, h, -(-max_q // TILE_M)) if deterministic else (1, 1, 1), dtype=torch.int32,
                         device=q.device)
@@ -198,7 +208,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     options = {"has_left": left is not None, "has_right": right is not None, "deterministic": bool(deterministic),
                "has_seqused": seqused_k is not None, "varlen": varlen}
     if max_q and max_k:
-        jit.launch(ID, KERNELS, arch, q.dtype, d, args, options)
+        jit.launch(ID, kernels, arch, q.dtype, d, args, options)
     else:  # (varlen) no request with a query row or a key: every gradient 0, nothing to launch (0 CTAs)
         dk.zero_()
         dv.zero_()

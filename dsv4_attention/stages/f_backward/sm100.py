@@ -66,7 +66,7 @@ from dsv4_attention.common.tmem import (
     make_acc_tmem_load,
 )
 from dsv4_attention.stages.f_backward import sm100_layouts as L
-from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_tile, kernel_views, key_queries
+from dsv4_attention.stages.f_backward.span import Visits, cta_views, kernel_views, key_queries, pass_turn, wait_turn
 
 COMPUTE_THREADS = 128
 TMA_WARP, MMA_WARP = 4, 5
@@ -434,7 +434,8 @@ class FlashAttentionBackwardSm100:
             gdQ = mdQacc[None, None, head]  # (rows, d)
             if cutlass.const_expr(self.deterministic):
                 turns = mSem[batch, head, None].iterator + m_block
-                self.wait_turn(turns, work, m_block, left, tidx)
+                wait_turn(turns, work, m_block, left, tidx, self.tile_n, self.tile_m, self.has_left, TURN_BARRIER_ID,
+                          COMPUTE_THREADS)
             for c in cutlass.range_constexpr(cute.size(tdQ, mode=[4])):
                 cute.copy(dq_load, tdQ[None, None, None, 0, c], rdQ[None, None, None, 0, c])
                 cute.arch.fence_view_async_tmem_load()
@@ -451,7 +452,7 @@ class FlashAttentionBackwardSm100:
                     ptr = ptr + gdQ.layout.stride[0]
 
             if cutlass.const_expr(self.deterministic):
-                self.pass_turn(turns, tidx)
+                pass_turn(turns, tidx, TURN_BARRIER_ID, COMPUTE_THREADS)
 
         # ---- epilogue: key t's rows of dK (scaled) and dV, or zeros without a visit -----------
         self.store_rows(mdK, L.grads_region(mmas, L.DK_COL).at(base), scale, done_consumer, work, k_rows, tidx,
@@ -459,27 +460,6 @@ class FlashAttentionBackwardSm100:
         self.store_rows(mdV, L.grads_region(mmas, L.DV_COL).at(base), Float32(1.0), done_consumer, work, k_rows,
                         tidx, first=False)
         tmem_barrier.arrive()
-
-    @cute.jit
-    def wait_turn(self, turns, work: Visits, m_block, left, tidx):
-        """(deterministic) Until the KV tiles before this one that visit Q tile ``m_block`` have
-        added their dQ: thread 0 polls the counter (acquire), the compute threads meet it."""
-        if tidx == 0:
-            mine = work.n_block - first_kv_tile(m_block, self.tile_n, self.tile_m, work.seqlen_q, work.seqlen_k,
-                                                left, self.has_left)
-            seen = cute.arch.load(turns, Int32, sem="acquire", scope="gpu")
-            while seen != mine:
-                seen = cute.arch.load(turns, Int32, sem="acquire", scope="gpu")
-        cute.arch.barrier(barrier_id=TURN_BARRIER_ID, number_of_threads=COMPUTE_THREADS)
-
-    @cute.jit
-    def pass_turn(self, turns, tidx):
-        """(deterministic) Every compute thread's dQ adds fenced at gpu scope, then thread 0 hands
-        the Q tile to the next KV tile (release)."""
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=TURN_BARRIER_ID, number_of_threads=COMPUTE_THREADS)
-        if tidx == 0:
-            cute.arch.atomic_add(turns, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def probabilities(self, rS, rdP, cS, p_vals, ds_vals, sStats, slot, q_first, q_last, scale_log2):

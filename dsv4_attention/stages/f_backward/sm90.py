@@ -178,6 +178,32 @@ class FlashAttentionBackwardSm90:
     def register_plan(self) -> list:
         return [(THREADS_PER_WARPGROUP, self.producer_regs), (self.consumer_threads, self.consumer_regs)]
 
+    def tile_tma_atoms(self, mQ, mdO, mK, mV, mdK, mdV, mLSE2, mD, sQ_layout, sKV_layout) -> tuple:
+        """(atom, TMA tensor) of Q, dO, K, V (loads), dK, dV (stores) by their tiles' SMEM layouts,
+        and of LSE2, D: a visit's tile_m fp32 each, loaded with Q / dO into the same slot (traced
+        in ``__call__``; sm90_wide.py's too)."""
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        return (make_tma_tile_atom(load, mQ, sQ_layout, tm, d), make_tma_tile_atom(load, mdO, sQ_layout, tm, d),
+                make_tma_tile_atom(load, mK, sKV_layout, tn, d), make_tma_tile_atom(load, mV, sKV_layout, tn, d),
+                make_tma_tile_atom(store, mdK, sKV_layout, tn, d), make_tma_tile_atom(store, mdV, sKV_layout, tn, d),
+                cpasync.make_tiled_tma_atom(load, mLSE2, cute.make_layout(tm), (tm,)),
+                cpasync.make_tiled_tma_atom(load, mD, cute.make_layout(tm), (tm,)))
+
+    def q_do_pipelines(self, storage) -> tuple:
+        """The Q and dO pipelines over the storage's q_bars / do_bars (traced in the kernel): one
+        producer thread, the consumer warps; Q (resp. dO) and its statistic land on one barrier."""
+        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8 + self.tile_m * 4
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
+        return tuple(
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=bars.data_ptr(), num_stages=self.stages, producer_group=producer,
+                consumer_group=consumers, tx_count=q_bytes, defer_sync=True,
+            )
+            for bars in (storage.q_bars, storage.do_bars)
+        )
+
     @cute.jit
     def __call__(
         self,
@@ -215,17 +241,10 @@ class FlashAttentionBackwardSm90:
         sKVt_layout = make_tile_smem_layout_mn(self.dtype, tn, d, 1)
         sdS_layout = make_tile_smem_layout(self.dtype, tn, tm, DS_STAGES)
         sdSt_layout = make_tile_smem_layout_mn(self.dtype, tn, tm, DS_STAGES)
-        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_atom_q, tma_q = make_tma_tile_atom(load, mQ, sQ_layout, tm, d)
-        tma_atom_do, tma_do = make_tma_tile_atom(load, mdO, sQ_layout, tm, d)
-        tma_atom_k, tma_k = make_tma_tile_atom(load, mK, sKV_layout, tn, d)
-        tma_atom_v, tma_v = make_tma_tile_atom(load, mV, sKV_layout, tn, d)
-        tma_atom_dk, tma_dk = make_tma_tile_atom(store, mdK, sKV_layout, tn, d)
-        tma_atom_dv, tma_dv = make_tma_tile_atom(store, mdV, sKV_layout, tn, d)
-        # a visit's LSE2 and D: tile_m fp32 each, one slot per Q / dO stage, by TMA with Q / dO
-        sStat_layout = cute.make_layout((tm, self.stages))
-        tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(load, mLSE2, cute.make_layout(tm), (tm,))
-        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(load, mD, cute.make_layout(tm), (tm,))
+        (tma_atom_q, tma_q), (tma_atom_do, tma_do), (tma_atom_k, tma_k), (tma_atom_v, tma_v), \
+            (tma_atom_dk, tma_dk), (tma_atom_dv, tma_dv), (tma_atom_lse, tma_lse), (tma_atom_d, tma_d) = \
+            self.tile_tma_atoms(mQ, mdO, mK, mV, mdK, mdV, mLSE2, mD, sQ_layout, sKV_layout)
+        sStat_layout = cute.make_layout((tm, self.stages))  # a visit's LSE2 and D, one slot per stage
         # dQ's partial sums: (tile_m, d) fp32 in blocks of 8 columns (dq_smem_layout); one TMA
         # reduce-add a visit
         sdQ_layout = dq_smem_layout(tm, d)
@@ -322,17 +341,7 @@ class FlashAttentionBackwardSm90:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_bar, 1)
-        # Q (resp. dO) and its statistic land on one barrier
-        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8 + self.tile_m * 4
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads // 32)
-        pipeline_q, pipeline_do = [
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=bars.data_ptr(), num_stages=self.stages, producer_group=producer,
-                consumer_group=consumers, tx_count=q_bytes, defer_sync=True,
-            )
-            for bars in (storage.q_bars, storage.do_bars)
-        ]
+        pipeline_q, pipeline_do = self.q_do_pipelines(storage)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 

@@ -65,10 +65,10 @@ Layouts (consumer warpgroup w, warp w' in it, lane l)
     S, dP     value (c, r, n) of thread (w', l) = S[16 w' + l/4 + 8 r, 32 w + 8 n + 2 (l%4) + c]:
               heads 16 w' + l/4 + 8 r, so a thread's rows statistics are two values (r = 0, 1).
     dkv acc   value (c, r, n) = dkv[16 w' + l/4 + 8 r, 8 n + 2 (l%4) + c] of the chunk, value
-              index c + 2 r + 4 n (``dkv_quad``). Lanes l and l ^ 1 hold the same two rows and
+              index c + 2 r + 4 n (``common.sm90_reduce.value_quad``). Lanes l and l ^ 1 hold the same two rows and
               together four adjacent columns of each; one shuffle of a pair each way leaves the
               even lane row r = 0's four columns and the odd lane row r = 1's, one 16-byte
-              reduction each per n (``exchange_dkv_pairs``: half the reductions of v2; the
+              reduction each per n (``common.sm90_reduce``: half the reductions of v2; the
               exchange, its cover and alignment proven on the host:
               tests/test_f_index_sm90_host.py).
 """
@@ -83,15 +83,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
-from cutlass.cutlass_dsl import dsl_user_op
 
 from dsv4_attention.common import sm90_gemm as gm
 from dsv4_attention.common.p_staging import convert_p_packed
 from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit, l2_evict_last_policy
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
+from dsv4_attention.common.sm90_reduce import reduce_pairs, reduce_targets
 from dsv4_attention.common.softmax import acc_rows_view
 
 HEAD_DIM = 512
@@ -106,37 +105,6 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24
 
 class IndexBwdBarrier(enum.IntEnum):
     DS_READY = 1
-
-
-@dsl_user_op
-def red_add_v4_f32(gmem_addr: cutlass.Int64, a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32,
-                   d: cutlass.Float32, *, loc=None, ip=None) -> None:
-    """Four adjacent fp32 values added to global memory in one reduction (16-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
-        + [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f,~{memory}",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-
-
-def dkv_quad(n: int) -> tuple:
-    """The dkv accumulator's value indices of column group n (value index c + 2 r + 4 n, the module
-    doc's layout): (row r = 0's pair, row r = 1's pair)."""
-    return (4 * n, 4 * n + 1), (4 * n + 2, 4 * n + 3)
-
-
-def exchange_dkv_pairs(odd: bool, own: tuple, partner: tuple) -> tuple:
-    """One lane's four values after the exchange with lane ^ 1, from (row 0 pair, row 1 pair) of its
-    own and of its partner's column group (host Python on coordinates in the proof, the same
-    selections on values in the kernel): the even lane keeps its row-0 pair and receives the odd
-    lane's; the odd lane receives the even lane's row-1 pair, then its own. What each lane sends
-    is what the other receives: the even lane its row-1 pair, the odd lane its row-0 pair."""
-    if odd:
-        return partner[1] + own[1]
-    return own[0] + partner[0]
 
 
 def make_sdp_tiled_mma(dtype) -> cute.TiledMma:
@@ -415,10 +383,10 @@ class IndexBackwardSm90:
         dkv_base = mdKV.iterator.toint()
         dkv_row_bytes = cutlass.Int64(mdKV.stride[0] * 4)
         odd = (tidx % 2) == 1  # lane parity: which row of the pair's two this lane reduces
-        (a0, _), (b0, _) = dkv_quad(0)
         # after the exchange: the row (within the step) and first column this lane reduces, per n
-        red_row = tDcD[b0][0] if odd else tDcD[a0][0]
-        red_col = (tDcD[a0][1] - 2) if odd else tDcD[a0][1]
+        (row_e, col_e), (row_o, col_o) = reduce_targets(tDcD)
+        red_row = row_o if odd else row_e
+        red_col = col_o if odd else col_e
 
         cute.arch.mbarrier_wait(smem.q_bar, 0)
         for i in cutlass.range(g.steps, unroll=1):
@@ -465,28 +433,11 @@ class IndexBackwardSm90:
                 gm.gemm(dkv_mma, acc, tDrP[None, None, None, slot], tDrdO[None, None, None, chunk, 0], zero_init=False)
                 if cutlass.const_expr(c > 0):
                     warpgroup.wait_group(2)  # chunk c - 1's two groups are done, chunk c's may run
-                    self.reduce_dkv(acc_dkv[(c - 1) % 2], red_addr + (c - 1) * DKV_CHUNK * 4, odd, red_ok)
+                    reduce_pairs(acc_dkv[(c - 1) % 2], red_addr + (c - 1) * DKV_CHUNK * 4, odd, red_ok)
             warpgroup.wait_group(0)
-            self.reduce_dkv(acc_dkv[(chunks - 1) % 2], red_addr + (chunks - 1) * DKV_CHUNK * 4, odd, red_ok)
+            reduce_pairs(acc_dkv[(chunks - 1) % 2], red_addr + (chunks - 1) * DKV_CHUNK * 4, odd, red_ok)
         # dq (scale already in dS) -> 16 bits -> the token's rows of the CTA's heads
         r_dq = cute.make_rmem_tensor(acc_dq.layout, self.dtype)
         convert_p_packed(acc_dq, r_dq)
         gdQ = cute.local_tile(mdQ[token, None, None], (HEADS_PER_CTA, d), (head_block, 0))
         cute.autovec_copy(r_dq, thr_dq.partition_C(gdQ))
-
-    @cute.jit
-    def reduce_dkv(self, acc: cute.Tensor, addr: cutlass.Int64, odd: cutlass.Boolean, ok: cutlass.Boolean):
-        """One 64-column chunk of dkv (``acc``, the dkv GEMM's accumulator) added at ``addr`` (this
-        lane's row and first column, ``exchange_dkv_pairs``' layout): per column group n, a pair
-        exchanged with lane ^ 1 (every lane of the warp takes part), then one 16-byte reduction
-        where the lane's row names a row of kv."""
-        for n in cutlass.range_constexpr(cute.size(acc) // 4):
-            (a0, a1), (b0, b1) = dkv_quad(n)
-            # send the pair the partner keeps: the even lane its row-1 pair, the odd its row-0
-            got0 = cute.arch.shuffle_sync_bfly(acc[a0] if odd else acc[b0], offset=1)
-            got1 = cute.arch.shuffle_sync_bfly(acc[a1] if odd else acc[b1], offset=1)
-            if ok:
-                if odd:
-                    red_add_v4_f32(addr + 8 * n * 4, got0, got1, acc[b0], acc[b1])
-                else:
-                    red_add_v4_f32(addr + 8 * n * 4, acc[a0], acc[a1], got0, got1)

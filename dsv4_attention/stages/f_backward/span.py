@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import cutlass
+import cutlass.cute as cute
 
 
 class Visits(NamedTuple):
@@ -162,3 +163,27 @@ def kernel_views(dtype, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV) -> tuple:
     seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
     rows_first = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
     return (seqlen_q, seqlen_k, *rows_first, *[reorder(t, (2, 1, 0)) for t in (mLSE2, mD)])
+
+
+@cute.jit
+def wait_turn(turns, work: Visits, m_block, left, tidx, tile_n: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
+              has_left: cutlass.Constexpr[bool], barrier_id: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """(deterministic, kernel side) Until the KV tiles before this one that visit Q tile ``m_block``
+    have added their dQ: thread 0 of the ``threads`` that add polls the counter ``turns``
+    (acquire) until it reads this tile's place among them, then they meet it at ``barrier_id``."""
+    if tidx == 0:
+        mine = work.n_block - first_kv_tile(m_block, tile_n, tile_m, work.seqlen_q, work.seqlen_k, left, has_left)
+        seen = cute.arch.load(turns, cutlass.Int32, sem="acquire", scope="gpu")
+        while seen != mine:
+            seen = cute.arch.load(turns, cutlass.Int32, sem="acquire", scope="gpu")
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+@cute.jit
+def pass_turn(turns, tidx, barrier_id: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """(deterministic, kernel side) Every adding thread's dQ reductions fenced at gpu scope, then
+    thread 0 hands the Q tile to the next KV tile (release)."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    if tidx == 0:
+        cute.arch.atomic_add(turns, cutlass.Int32(1), sem="release", scope="gpu")
