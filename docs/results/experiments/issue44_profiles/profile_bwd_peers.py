@@ -8,9 +8,14 @@ inside the NVTX range ``profiled``:
         --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \\
         --section ComputeWorkloadAnalysis -o bwd python .../profile_bwd_peers.py ncu
 
+FA4's backward runs on autograd's device thread, whose NVTX stack lacks ``profiled``: for it,
+``ncu --profile-from-start off -k regex:Backward ... profile_bwd_peers.py ncu-range`` (the
+profiler started and stopped around the second launches).
+
 Cases: index mode (V4-Flash: 4096 tokens, 64 heads, top-640, d 512) ours (stage F's
 ``index_backward``: its kernel) against cuDNN-frontend's sparse backward on the same lists, O and
-LSE; dense hd 64 non-causal (2 x 8192, 32 heads, the bar's widest gap) ours against FA4's backward.
+LSE; dense hd 64 non-causal (2 x 8192, 32 heads, the bar's widest gap), hd 128 causal (2 x 8192,
+16 heads) and hd 256 non-causal (1 x 8192, 16 heads: ``sm90_wide.py``) ours against FA4's backward.
 """
 
 import sys
@@ -53,13 +58,24 @@ def dense_calls(b=2, h=32, s=8192, d=64, causal=False):
 
 
 def main(mode):
-    calls = index_calls() + dense_calls()
+    calls = (index_calls() + dense_calls() + dense_calls(h=16, d=128, causal=True)
+             + dense_calls(b=1, h=16, d=256))
     if mode == "times":
         for name, call in calls:
             print(name, flush=True)
             print_kernel_times(call)
-    else:
+    elif mode == "ncu":
         launch_profiled(calls)
+    else:  # "ncu-range": FA4's backward runs on autograd's device thread, outside an NVTX range
+        for _, call in calls:
+            call()
+        torch.cuda.synchronize()
+        print("profiled, in order:", [n for n, _ in calls], flush=True)
+        torch.cuda.cudart().cudaProfilerStart()
+        for _, call in calls:
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
 
 
 if __name__ == "__main__":
