@@ -29,6 +29,7 @@ import torch
 
 from dsv4_attention.common import jit
 from dsv4_attention.common.interface import LOG2E
+from dsv4_attention.stages.f_backward import preprocess
 from dsv4_attention.stages.f_backward import sink as sink_terms
 from dsv4_attention.stages.f_backward.fused import part, tensor_core_gemms
 
@@ -152,9 +153,10 @@ def kernel_serves(q, kv, indices) -> str | None:
 def index_backward_kernel(q, kv, indices, o, lse, do, *, topk_length=None, attn_sink=None,
                           softmax_scale: float | None = None):
     """``index_backward`` by the kernel (sm90_index.py), where ``kernel_serves``: the lists cut at
-    ``topk_length`` here (-1 past it), LSE joined with the sink and D = rowsum(dO * O) by torch,
-    then one launch, one CTA per (token, 64 heads); dkv accumulates in fp32 (vector reductions:
-    not bitwise repeatable) and is rounded to kv's dtype; the sink's gradient by torch."""
+    ``topk_length`` here (-1 past it), LSE joined with the sink by torch, D = rowsum(dO * O) and
+    LSE2 by the preprocess kernel, then one launch, one CTA per (token, 64 heads); dkv accumulates
+    in fp32 (vector reductions: not bitwise repeatable) and is rounded to kv's dtype; the sink's
+    gradient by torch."""
     tokens, heads, d = q.shape
     rows, k = kv.shape[0], indices.shape[-1]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
@@ -163,9 +165,16 @@ def index_backward_kernel(q, kv, indices, o, lse, do, *, topk_length=None, attn_
         idx = torch.where(torch.arange(k, device=idx.device)[None] < topk_length[:, None], idx, -1)
     idx = idx.to(torch.int32).contiguous()
     lse_all = sink_terms.normalizer(lse.float(), attn_sink)
-    lse2 = torch.where(torch.isneginf(lse_all), math.inf, lse_all * LOG2E).contiguous()  # no key: P = 0
-    dsum = (do.float() * o.float()).sum(-1).contiguous()
     q_c, do_c = q.contiguous(), do.contiguous()
+    # D = rowsum(dO * O) and LSE2 (+inf where no key: P = 0) by the dense backward's preprocess
+    # kernel, one pass over O and dO (torch's casts, product and sum took 1.4 ms of the call's 4.6
+    # at V4-Flash, 4096 tokens: docs/results/experiments/issue44_profiles/); its (1, heads, tokens)
+    # outputs transposed to the kernel's (tokens, heads)
+    lse2_ht = torch.empty((1, heads, tokens), dtype=torch.float32, device=q.device)
+    dsum_ht = torch.empty_like(lse2_ht)
+    preprocess.statistics(o.to(q.dtype).contiguous()[None], do_c.to(q.dtype)[None],
+                          lse_all.t().contiguous()[None], lse2_ht, dsum_ht)
+    lse2, dsum = lse2_ht[0].t().contiguous(), dsum_ht[0].t().contiguous()
     dq = torch.empty_like(q_c)
     dkv = torch.zeros((rows, d), dtype=torch.float32, device=q.device)
     if tokens and k and rows:

@@ -63,9 +63,9 @@ Consumer warpgroup, per visit (Q tile m of head h)
     issue dV += P^T dO                                     (RS; dO read MN-major)
     wait dP^T; D from the slot; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
     (padded rows: LSE2 = +inf, D = 0, so P = dS = 0 there)
-    issue dK += dS^T Q                                     (RS; Q read MN-major)
-    DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); wait all; release Q, dO
-    DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into dQacc)
+    DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); issue dK += dS^T Q (RS; Q read
+    MN-major); wait dQ; DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into
+    dQacc), while dK runs; wait all; release Q, dO
     end: dK *= scale; dK, dV -> SMEM -> TMA stores (rows past seqlen_k clipped).
 
 Layouts (consumer warpgroup w, warp w' in it, lane l)
@@ -587,14 +587,12 @@ class FlashAttentionBackwardSm90:
             convert_p_packed(acc_dp, r_ds)
             ds_slot = it % DS_STAGES
             cute.autovec_copy(r_ds, thr_sdp.partition_C(sdS[None, None, ds_slot]))  # this thread's dS^T values
-            gemm(dkv_mma, acc_dk, tKrdS, tKrQ[None, None, None, state.index], zero_init=False)
             cute.arch.fence_proxy("async.shared", space="cta")  # dS^T stores -> the dQ wgmma's reads
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY), number_of_threads=self.consumer_threads)
+            # dQ before dK: dQ's trip through sdQ below runs while the tensor cores do dK
             gemm(dq_mma, acc_dq, tQrdS[None, None, None, ds_slot], tQrK, zero_init=True)
-            warpgroup.wait_group(0)
-            pipeline_q.consumer_release(state)
-            pipeline_do.consumer_release(state)
-            state.advance()
+            gemm(dkv_mma, acc_dk, tKrdS, tKrQ[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(1)  # dV, dQ complete (dK may run)
             # dQ's partial sum over this KV tile -> sdQ -> one TMA reduce-add into the fp32
             # accumulator by the dQ warp (padded rows land in its padding)
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
@@ -604,6 +602,10 @@ class FlashAttentionBackwardSm90:
             cute.autovec_copy(acc_dq, thr_dq.partition_C(sdQ[None, None, 0]))
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the TMA unit's reads
             cute.arch.barrier_arrive(barrier_id=int(Sm90BwdBarrier.DQ_FULL), number_of_threads=self.dq_threads)
+            warpgroup.wait_group(0)  # dK complete: Q, dO read
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
+            state.advance()
 
         # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V) -> TMA -------------------
         for i in cutlass.range_constexpr(cute.size(acc_dk)):

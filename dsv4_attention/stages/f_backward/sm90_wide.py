@@ -21,11 +21,12 @@ Consumer warpgroup w, per visit (Q tile m of head h)
     issue S = Q K^T, dP = dO V^T                 (SS; M 64 queries, N 32 keys, K 256)
     wait S; P = exp2(S scale log2 e - LSE2), 0 where hidden; wait dP; dS = P (dP - D)
     P, dS -> 16 bits -> sP, sdS slot i % 2; DS_READY (both warpgroups' keys are there)
-    issue dV += P^T dO[:, w], dK += dS^T Q[:, w]   (SS; sP / sdS read MN-major, M 64 keys, N 128)
     issue dQ = dS K[:, w]                        (SS; sdS K-major, K read MN-major, N 128)
-    wait all; release Q, dO; dQ * scale -> dQacc by 16-byte reductions (red.global.add.v4.f32
-    after a lane exchange, common/sm90_reduce.py), straight from the registers: no sdQ, whose
-    64 KB the two stages of Q and dO need
+    issue dV += P^T dO[:, w], dK += dS^T Q[:, w]   (SS; sP / sdS read MN-major, M 64 keys, N 128)
+    wait dQ; dQ * scale -> dQacc by 16-byte reductions (red.global.add.v4.f32 after a lane
+    exchange, common/sm90_reduce.py), straight from the registers while dV and dK run: no sdQ,
+    whose 64 KB the two stages of Q and dO need
+    wait all; release Q, dO
     end: dK *= scale; dK, dV -> SMEM (over K and V) -> TMA stores, each warpgroup its columns.
 
 Why two slots of sP / sdS and no barrier freeing them: warpgroup w writes slot i % 2 again at
@@ -381,15 +382,13 @@ class FlashAttentionBackwardSm90Wide(FlashAttentionBackwardSm90):
             cute.autovec_copy(r_ds, thr_sdp.partition_C(s["sdS"][None, None, slot]))
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the wgmmas' reads
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY), number_of_threads=self.consumer_threads)
+            # dQ first: its reductions below run while the tensor cores do dV and dK
+            gemm(dq_mma, acc_dq, tQrdS[None, None, None, slot], tQrK, zero_init=True)
             gemm(dkv_mma, acc_dv, tDrP[None, None, None, slot], tDrdO[None, None, None, wg, 0, state.index],
                  zero_init=False)
             gemm(dkv_mma, acc_dk, tDrdS[None, None, None, slot], tDrQ[None, None, None, wg, 0, state.index],
                  zero_init=False)
-            gemm(dq_mma, acc_dq, tQrdS[None, None, None, slot], tQrK, zero_init=True)
-            warpgroup.wait_group(0)
-            pipeline_q.consumer_release(state)
-            pipeline_do.consumer_release(state)
-            state.advance()
+            warpgroup.wait_group(2)  # dQ complete (dV, dK may run)
             # dQ's partial sum over this KV tile into the fp32 accumulator (padded rows land in its
             # padding: rows are padded to the Q tile)
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
@@ -403,6 +402,10 @@ class FlashAttentionBackwardSm90Wide(FlashAttentionBackwardSm90):
             reduce_pairs(acc_dq, addr, odd, True)
             if cutlass.const_expr(self.deterministic):
                 pass_turn(turns, tidx, int(Sm90BwdBarrier.DQ_TURN), self.consumer_threads)
+            warpgroup.wait_group(0)  # dV, dK complete: Q, dO and the P / dS slot are read
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
+            state.advance()
 
         # ---- epilogue: dK = scale dS^T Q, dV -> SMEM (over K and V, each warpgroup its columns) -> TMA
         for i in cutlass.range_constexpr(cute.size(acc_dk)):

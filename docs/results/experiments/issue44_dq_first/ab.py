@@ -1,7 +1,9 @@
 """A/B of stage F's dQ-first issue order (run from a tree root): warm = compile each case's kernel
 on tiny inputs (the file cache keeps them), time = our backward's median per case (no peers)."""
 import sys
+
 import torch
+
 sys.path.insert(0, ".")
 from dsv4_attention.common.testing import random_bshd  # noqa: E402
 from dsv4_attention.stages import e_fused  # noqa: E402
@@ -12,7 +14,7 @@ CASES = [(2, 32, 8192, 64, False), (2, 32, 8192, 64, True), (2, 16, 8192, 128, F
          (8, 16, 2048, 128, True), (2, 16, 8192, 256, False), (2, 16, 8192, 256, True), (8, 16, 2048, 256, False)]
 dev = torch.device("cuda")
 if sys.argv[1] == "warm":
-    for b, h, s, d, causal in CASES:
+    for _b, _h, _s, d, causal in CASES:
         q, k, v, do = (random_bshd(1, 200, 2, d, torch.bfloat16, dev) for _ in range(4))
         with torch.no_grad():
             o, lse = e_fused.forward(q, k, v, causal=causal)
