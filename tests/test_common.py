@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dsv4_attention.common import report
+from dsv4_attention.common import report, testing
 from dsv4_attention.common.layout_proof import swizzle_bytes
 from dsv4_attention.common.testing import errors, poison_
 
@@ -49,6 +49,26 @@ def test_vectors_and_scalars_are_one_row():
     bad[5] += 1.0
     assert not errors(bad, ref).within(1e-3, 1e-3)
     assert not errors(torch.tensor(2.0), torch.tensor(1.0, dtype=torch.float64)).within(1e-3, 1e-3)
+
+
+def test_subnormal_rows_measure_the_kernel_not_the_format():
+    """An fp16 row of subnormal values (a sink that swallows its row: O = 1.5e-6 v), exactly
+    rounded, is error-free; the same row three steps off, and a normal row 1 % off, still fail
+    (the negative controls: the step forgives only what fp16 cannot show)."""
+    g = torch.Generator().manual_seed(5)
+    ref = torch.randn(4, 512, generator=g, dtype=torch.float64) * 1.5e-6
+    rounded = ref.to(torch.float16)
+    step = testing.subnormal_step(torch.float16)
+    assert step == 2.0 ** -24
+    raw_row = ((rounded.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert raw_row > 1e-2  # what the plain measure saw on the device (D5, 2026-12-03)
+    assert errors(rounded, ref).within(1e-12, 1e-12)
+    off = rounded.clone()
+    off[2] = (off[2].double() + 3 * step).half()
+    assert not errors(off, ref).within(1e-2, 3e-2) and errors(off, ref).worst_row == (2,)
+    normal = torch.randn(4, 512, generator=g, dtype=torch.float64)
+    assert not errors((normal * 1.01).half(), normal).within(1e-3, 3e-3)
+    assert testing.subnormal_step(torch.float64) == 0.0 and testing.subnormal_step(torch.bfloat16) < 1e-40
 
 
 def test_swizzle_acts_on_bytes():

@@ -2,7 +2,7 @@
 
     tools/bench_stages.py   each stage against its peers (groups a .. e)
     tools/bench_backward.py the backward against FlashAttention-4's (group f)
-    tools/bench_decode.py   DeepSeek-V4 decode steps (group decode)
+    tools/bench_decode.py   DeepSeek-V4 decode steps (group decode), the paged FP8 caches (group serving)
     tools/bench_calls.py    host time per call, first call of a configuration (group calls)
     tools/bench_cp.py       context parallelism on 2 GPUs (group cp)
 
@@ -22,7 +22,7 @@ from dsv4_attention.common.arch import present_arch
 from tools.bench_backward import bench_stage_f
 from tools.bench_calls import bench_calls
 from tools.bench_cp import bench_cp
-from tools.bench_decode import bench_decode, decode_layer_kwargs
+from tools.bench_decode import bench_decode, bench_serving, decode_layer_kwargs
 from tools.bench_stages import (
     attention_row,
     bench_stage_a,
@@ -50,7 +50,8 @@ __all__ = ["BENCHES", "run", "main", "attention_row", "decode_layer_kwargs", "ds
 
 BENCHES = {"calls": bench_calls, "a": bench_stage_a, "b": bench_stage_b, "c": bench_stage_c, "d1": bench_stage_d1,
            "d2": bench_stage_d2, "d3": bench_stage_d3, "d4": bench_stage_d4, "d5": bench_stage_d5,
-           "e": bench_stage_e, "f": bench_stage_f, "decode": bench_decode, "cp": bench_cp}
+           "e": bench_stage_e, "f": bench_stage_f, "decode": bench_decode, "serving": bench_serving,
+           "cp": bench_cp}
 
 
 def run(stages=None) -> list:

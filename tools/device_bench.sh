@@ -13,7 +13,7 @@ limit="${DEVICE_BENCH_LIMIT_S:-570}"
 plan=$(python3 - "$gpus" <<'PY'
 import sys
 n = int(sys.argv[1])
-weights = {"e": 3, "d1": 2, "decode": 2, "c": 1.5, "d4": 1.5, "calls": 1.5, "d2": 1, "d3": 1, "d5": 1, "a": .5, "b": .5}
+weights = {"e": 3, "d1": 2, "decode": 1, "serving": 2, "f": 2, "c": 1.5, "d4": 1.5, "calls": 1.5, "d2": 1, "d3": 1, "d5": 1, "a": .5, "b": .5}
 from tools import bench
 import os
 chosen = os.environ.get("DEVICE_BENCH_GROUPS", "").split()

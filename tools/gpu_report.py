@@ -224,10 +224,10 @@ def main(argv=None) -> int:
     from tools import bench as bench_tool
 
     every = [s.id for s in stage_registry.ALL_STAGES]
-    # "calls" (host time per call, first call in a fresh process) and "decode" (the fused kernel's
-    # decode, replayed from CUDA graphs) are benches of no stage
-    stage_ids = [s for s in (a.stage or every) if s not in ("calls", "decode", "cp")]
-    bench_ids = [s for s in (a.stage or ["calls", "decode", *every]) if s in bench_tool.BENCHES]
+    # "calls" (host time per call, first call in a fresh process), "decode" (the fused kernel's
+    # decode, replayed from CUDA graphs) and "serving" (the paged FP8 caches) are benches of no stage
+    stage_ids = [s for s in (a.stage or every) if s not in ("calls", "decode", "serving", "cp")]
+    bench_ids = [s for s in (a.stage or ["calls", "decode", "serving", *every]) if s in bench_tool.BENCHES]
     gpus = torch.cuda.device_count()
     name = report.gpu_file_name(gpu_name()) + (f"x{gpus}" if gpus > 1 else "")  # h200x2: its own report
     out_dir = pathlib.Path(a.out)

@@ -41,7 +41,7 @@ PACKAGE = "dsv4_attention"
 # links to the package's own folders, ``dsv4_attention/common`` and ``dsv4_attention/stages``,
 # which are the ones read (a copy that drops the links loses no source file).
 SOURCE_DIRS = ("dsv4_attention", "stages", "common")
-WHOLE_TREE = ("none", "calls", "decode", "cp")
+WHOLE_TREE = ("none", "calls", "decode", "serving", "cp")
 KERNEL_STRING = re.compile(r"^(dsv4_attention(?:\.\w+)+):\w+$")
 NORMAL, REGISTERED = 2, 1  # how a file was reached: by an import, or only by the stage registry
 

@@ -6,6 +6,12 @@ Error metrics compare a kernel output with a float64 reference:
   row cannot hide in a large tensor (the origin's statistics landed on wrong rows);
 - ``max_abs``: the largest absolute difference.
 NaN or Inf anywhere in the output makes every metric infinite: NaN never passes.
+
+An element of a 16-bit output within one subnormal step of the reference counts as exact
+(``subnormal_step``): a row of values near the dtype's smallest normal (fp16: 6.1e-5) cannot be
+represented more finely than that step, so its relative error would measure the format, not the
+kernel (an fp16 row of 1.5e-6 keeps 1.1e-2 of row error when exactly rounded). The step is
+absolute and tiny (fp16: 6e-8, bf16: 9e-41), so it forgives nothing in a normal row.
 """
 
 from __future__ import annotations
@@ -39,11 +45,21 @@ class Errors:
         )
 
 
+def subnormal_step(dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s subnormal numbers (its smallest positive value): the finest
+    difference an output of that dtype can show near zero. 0 for float64 (the reference's own)."""
+    if dtype == torch.float64 or not dtype.is_floating_point:
+        return 0.0
+    f = torch.finfo(dtype)
+    return f.smallest_normal * f.eps
+
+
 def errors(out: torch.Tensor, ref: torch.Tensor, row_floor: float = 0.0) -> Errors:
     """Errors of ``out`` against ``ref`` (any shape; rows are the last dim). ``row_floor``: a row's
     relative error is taken against at least that fraction of the root-mean-square row norm
     (gradients, whose rows can vanish exactly: a query that sees one key has dQ = 0, computed as
-    rounding noise)."""
+    rounding noise). Each element's difference is reduced by one subnormal step of ``out``'s
+    dtype (the module doc); ``max_abs`` is the plain difference."""
     if out.shape != ref.shape:
         raise AssertionError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     o = out.detach().to(torch.float64)
@@ -51,7 +67,9 @@ def errors(out: torch.Tensor, ref: torch.Tensor, row_floor: float = 0.0) -> Erro
     if not torch.isfinite(o).all():
         bad = (~torch.isfinite(o)).nonzero()[0].tolist()
         return Errors(math.inf, math.inf, math.inf, tuple(bad[:-1]))
-    diff = o - r
+    raw = o - r
+    step = subnormal_step(out.dtype)
+    diff = raw.sign() * (raw.abs() - step).clamp_min(0) if step else raw
     rel = (diff.norm() / r.norm().clamp_min(1e-300)).item()
     # one row per index of the leading dims; a vector (a sink's gradient) or a scalar is one row
     rows = tuple(r.shape[:-1])
@@ -62,7 +80,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor, row_floor: float = 0.0) -> Erro
     row_err = row_num / row_den
     worst = int(row_err.argmax())
     worst_idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), rows)) if rows else ()
-    return Errors(rel, row_err[worst].item(), diff.abs().max().item(), worst_idx)
+    return Errors(rel, row_err[worst].item(), raw.abs().max().item(), worst_idx)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
