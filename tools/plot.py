@@ -76,3 +76,40 @@ def attention_chart(rows, title: str) -> str:
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n'
             + "\n".join(body) + "\n</svg>\n")
+
+
+def ratio_chart(rows, peer: str, title: str, bar: float | None = None) -> str:
+    """Horizontal bars of our time / ``peer``'s time, one per row that has that ratio (its case
+    as the label): 1.0 (level) drawn, and ``bar`` (a target ratio, e.g. 1 / 1.1) dashed. For
+    groups whose cases do not sweep one axis (the serving group: FlashMLA's decode configs and
+    batches, prefill chunks)."""
+    rows = [r for r in rows if peer in r.get("time_ratio_vs", {})]
+    label_w, plot_w, row_h, top = 430, 330, 16, 28
+    vmax = max([1.0, bar or 0.0] + [r["time_ratio_vs"][peer] for r in rows]) * 1.1
+    height = top + row_h * len(rows) + 40
+
+    def px(v):
+        return label_w + v / vmax * plot_w
+
+    body = [f'<text x="10" y="18" font-size="13">{title}: our time / {peer}\'s (lower is faster; '
+            f'1.0 = level)</text>']
+    for i, r in enumerate(rows):
+        y = top + i * row_h
+        v = r["time_ratio_vs"][peer]
+        color = COLORS["ours"] if v > 1.0 else COLORS["cudnn"]
+        case = r["case"].replace(f" {peer}", "")
+        case = case if len(case) <= 72 else case[:69] + "..."
+        body.append(f'<text x="{label_w - 6}" y="{y + 11}" text-anchor="end" font-size="10">{case}</text>')
+        body.append(f'<rect x="{label_w}" y="{y + 2}" width="{px(v) - label_w:.1f}" height="{row_h - 5}" '
+                    f'fill="{color}"/>')
+        body.append(f'<text x="{px(v) + 4:.1f}" y="{y + 11}" font-size="10">{v:.2f}x</text>')
+    y_end = top + row_h * len(rows)
+    body.append(f'<line x1="{px(1.0):.1f}" y1="{top - 4}" x2="{px(1.0):.1f}" y2="{y_end}" stroke="#444"/>')
+    if bar is not None:
+        body.append(f'<line x1="{px(bar):.1f}" y1="{top - 4}" x2="{px(bar):.1f}" y2="{y_end}" stroke="#444" '
+                    f'stroke-dasharray="4,3"/>')
+        body.append(f'<text x="{px(bar):.1f}" y="{y_end + 14}" text-anchor="middle" font-size="10">'
+                    f'bar {bar:.2f}x</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + plot_w + 60}" height="{height}" '
+            f'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n'
+            + "\n".join(body) + "\n</svg>\n")

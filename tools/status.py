@@ -257,13 +257,20 @@ def _report_section(name: str, rep: dict) -> str:
 
 def charts(reports: dict) -> dict:
     """{svg path: text} for every report with stage rows that sweep seqlen (stage C onward)."""
-    from tools.plot import attention_chart
+    from tools.plot import attention_chart, ratio_chart
 
     out = {}
     for name, rep in reports.items():
+        # the serving group's cases (FlashMLA's decode configs and batches, prefill chunks) sweep
+        # no one axis: their time against FlashMLA's, with issue 43's decode bar (1.1x faster)
+        serving = [r for r in rep.get("bench", []) if r["stage"] == "serving"]
+        if serving:
+            stale = "" if report.bench_current(rep, "serving") else " (STALE)"
+            out[report.RESULTS / f"plot_serving_{name}.svg"] = ratio_chart(
+                serving, "flashmla", f"serving, {rep.get('device')}{stale}", bar=1 / 1.1)
         # rows with a TFLOP/s figure (split-KV decode rows give times: the results table has them)
         charted = [r for r in rep.get("bench", []) if "seqlen" in r and "ours_tflops" in r]
-        for st in sorted({r["stage"] for r in charted}):
+        for st in sorted({r["stage"] for r in charted} - {"serving"}):
             rows = [r for r in charted if r["stage"] == st]
             if len({r["seqlen"] for r in rows}) > 1:
                 stale = "" if report.bench_current(rep, st) else " (STALE)"
