@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-from dsv4_attention.common import report
+from dsv4_attention.common import report, scope
 from dsv4_attention.common.arch import gpu_name, present_arch
 
 # rough weights of the test files (GPU minutes under 16 workers); any other file weighs 1
@@ -224,10 +224,11 @@ def main(argv=None) -> int:
     from tools import bench as bench_tool
 
     every = [s.id for s in stage_registry.ALL_STAGES]
-    # "calls" (host time per call, first call in a fresh process), "decode" (the fused kernel's
-    # decode, replayed from CUDA graphs) and "serving" (the paged FP8 caches) are benches of no stage
-    stage_ids = [s for s in (a.stage or every) if s not in ("calls", "decode", "serving", "cp")]
-    bench_ids = [s for s in (a.stage or ["calls", "decode", "serving", *every]) if s in bench_tool.BENCHES]
+    # the benches of no stage are the whole-tree groups (common/scope.py: calls, decode, serving,
+    # cp), which have no stage tests; cp needs two GPUs, so only `--stage cp` runs it
+    no_stage = [g for g in scope.WHOLE_TREE if g in bench_tool.BENCHES]
+    stage_ids = [s for s in (a.stage or every) if s not in no_stage]
+    bench_ids = [s for s in (a.stage or [*(g for g in no_stage if g != "cp"), *every]) if s in bench_tool.BENCHES]
     gpus = torch.cuda.device_count()
     name = report.gpu_file_name(gpu_name()) + (f"x{gpus}" if gpus > 1 else "")  # h200x2: its own report
     out_dir = pathlib.Path(a.out)

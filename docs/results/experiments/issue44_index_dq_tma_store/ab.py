@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from dsv4_attention.common.testing import errors  # noqa: E402
+from dsv4_attention.common.testing import errors, random_index_lists  # noqa: E402
 from dsv4_attention.stages import e_fused  # noqa: E402
 from dsv4_attention.stages.f_backward import index  # noqa: E402
 from tools.bench_backward import index_backward_row  # noqa: E402
@@ -18,9 +18,7 @@ if sys.argv[1] == "check":
     for tokens, heads, k, rows in ((300, 128, 200, 1000), (77, 64, 640, 5000)):
         q = (torch.randn(tokens, heads, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
         kv = (torch.randn(rows, 1, 512, generator=g) / 2).to(torch.bfloat16).to(dev)
-        idx = torch.stack([torch.randperm(rows, generator=g)[:k] for _ in range(tokens)]).int()
-        idx[torch.rand(tokens, k, generator=g) < 0.2] = -1
-        idx = idx.view(tokens, 1, k).to(dev)
+        idx = random_index_lists(tokens, k, rows, g, pad=0.2).view(tokens, 1, k).to(dev)
         sink = torch.randn(heads, generator=g).to(dev)
         do = torch.randn(tokens, heads, 512, generator=g).to(torch.bfloat16).to(dev)
         with torch.no_grad():
