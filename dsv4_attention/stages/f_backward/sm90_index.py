@@ -12,10 +12,10 @@ Work decomposition
     grid  = (tokens, heads / 64): one CTA per (token, 64 heads). The heads are the M of every
             GEMM that reduces over the list (as stage D2 packs heads into rows); the CTA walks
             the token's list 64 rows a step. dq (64 heads x 512) accumulates in the consumers'
-            registers over the whole list and is stored once, complete; dkv, which other
-            tokens' CTAs touch too, leaves every step through 16-byte fp32 reductions
-            (``red.global.add.v4.f32``, after a lane exchange) into an fp32 accumulator the
-            host rounds.
+            registers over the whole list and is stored once, complete, through sQ by one TMA
+            store; dkv, which other tokens' CTAs touch too, leaves every step through 16-byte
+            fp32 reductions (``red.global.add.v4.f32``, after a lane exchange) into an fp32
+            accumulator the host rounds.
     block = 128 x 3 threads:
             warpgroup 0      producer (setmaxnreg 24): warp 0 loads Q and dO of the CTA's heads
                              once (TMA); all 128 threads gather each step's 64 listed rows by
@@ -37,7 +37,7 @@ Consumer warpgroup w, per step i (rows 64 i .. 64 i + 63 of the list)
         wait for chunk c - 1's GEMMs only; acc[(c - 1) % 2] -> dkv[idx[t, 64 i + r], c - 1] by
         v4 reductions (rows that name none: skipped), while chunk c's GEMMs run
     wait; the last chunk's reductions
-    end: dq -> 16 bits -> global (each thread its values).
+    end: DQ_STAGED (sQ's last reader done); dq -> 16 bits -> sQ; DQ_STAGED; one TMA store.
     The scale rides in dS: dq = (scale dS) K and the key part of dkv = (scale dS)^T Q.
 
 Why two slots of sP / sdS and no barrier freeing them: warpgroup w writes slot i % 2 again at
@@ -53,6 +53,9 @@ Barriers
                 read of the rows. The producer waits phase (i - 1) % 2 before step i's gather.
     DS_READY    named barrier 1 (256 consumer threads): sP and sdS of the step are written
                 (their stores fenced for the async proxy).
+    DQ_STAGED   named barrier 2 (256 consumer threads), twice at the end: both warpgroups past
+                their last GEMM (sQ free), then every thread's dq in sQ (fenced) before the
+                store warp's TMA store of the (64 heads, 512) box Q was loaded by.
 
 Layouts (consumer warpgroup w, warp w' in it, lane l)
     sQ, sdO   (64 heads, 512, 1) K-major SW128 (TMA); sQt, sdOt the same bytes (512, 64, 1)
@@ -88,6 +91,7 @@ from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from dsv4_attention.common import sm90_gemm as gm
 from dsv4_attention.common.p_staging import convert_p_packed
+from dsv4_attention.common.sm90_epilogue import store_o
 from dsv4_attention.common.sm90_gather import ROW_UNIT_BYTES, cp_async_row_unit, l2_evict_last_policy
 from dsv4_attention.common.sm90_kv_chunks import CHUNK_COLS, gather_offset
 from dsv4_attention.common.sm90_reduce import reduce_pairs, reduce_targets
@@ -105,6 +109,7 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24
 
 class IndexBwdBarrier(enum.IntEnum):
     DS_READY = 1
+    DQ_STAGED = 2  # both warpgroups: past their last GEMM (sQ free), then dq written into sQ
 
 
 def make_sdp_tiled_mma(dtype) -> cute.TiledMma:
@@ -215,6 +220,10 @@ class IndexBackwardSm90:
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = gm.make_tma_tile_atom(load, q_htd, lay["sQ"], HEADS_PER_CTA, self.head_dim)
         tma_atom_do, tma_do = gm.make_tma_tile_atom(load, do_htd, lay["sQ"], HEADS_PER_CTA, self.head_dim)
+        # dq leaves through sQ by the TMA store of the box Q came in by (same layout, same box)
+        dq_htd = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 2, 0]))
+        tma_atom_dq, tma_dq = gm.make_tma_tile_atom(cpasync.CopyBulkTensorTileS2GOp(), dq_htd, lay["sQ"],
+                                                    HEADS_PER_CTA, self.head_dim)
 
         @cute.struct
         class SharedStorage:
@@ -229,8 +238,8 @@ class IndexBackwardSm90:
 
         self.shared_storage = SharedStorage
         grid = (mQ.shape[0], mQ.shape[1] // HEADS_PER_CTA, 1)
-        self.kernel(sdp_mma, dq_mma, dkv_mma, tma_atom_q, tma_q, tma_atom_do, tma_do, mKV, mIdx, mLSE2, mD, mdQ,
-                    mdKV, scale_log2, scale, lay).launch(
+        self.kernel(sdp_mma, dq_mma, dkv_mma, tma_atom_q, tma_q, tma_atom_do, tma_do, mKV, mIdx, mLSE2, mD,
+                    tma_atom_dq, tma_dq, mdKV, scale_log2, scale, lay).launch(
             grid=grid, block=[gm.THREADS_PER_WARPGROUP * (1 + NUM_WG), 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -247,7 +256,8 @@ class IndexBackwardSm90:
         mIdx: cute.Tensor,
         mLSE2: cute.Tensor,
         mD: cute.Tensor,
-        mdQ: cute.Tensor,
+        tma_atom_dq: cute.CopyAtom,
+        mdQ: cute.Tensor,  # TMA coordinates, (heads, d, tokens)
         mdKV: cute.Tensor,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
@@ -287,7 +297,7 @@ class IndexBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(sdp_mma, dq_mma, dkv_mma, smem, Grads(mIdx, mLSE2, mD, mdQ, mdKV, token, head_block, steps),
-                         scale_log2, scale)
+                         scale_log2, scale, tma_atom_dq)
 
     @cute.jit
     def gather(self, mKV: cute.Tensor, mIdx: cute.Tensor, smem: Smem, kv_base: cute.Pointer, token: cutlass.Int32,
@@ -335,6 +345,7 @@ class IndexBackwardSm90:
         g: Grads,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
+        tma_atom_dq: cute.CopyAtom,
     ):
         d, n = self.head_dim, ROWS_PER_STEP
         mIdx, mLSE2, mD, mdQ, mdKV, token, head_block = g.mIdx, g.mLSE2, g.mD, g.mdQ, g.mdKV, g.token, g.head_block
@@ -436,8 +447,11 @@ class IndexBackwardSm90:
                     reduce_pairs(acc_dkv[(c - 1) % 2], red_addr + (c - 1) * DKV_CHUNK * 4, odd, red_ok)
             warpgroup.wait_group(0)
             reduce_pairs(acc_dkv[(chunks - 1) % 2], red_addr + (chunks - 1) * DKV_CHUNK * 4, odd, red_ok)
-        # dq (scale already in dS) -> 16 bits -> the token's rows of the CTA's heads
-        r_dq = cute.make_rmem_tensor(acc_dq.layout, self.dtype)
-        convert_p_packed(acc_dq, r_dq)
-        gdQ = cute.local_tile(mdQ[token, None, None], (HEADS_PER_CTA, d), (head_block, 0))
-        cute.autovec_copy(r_dq, thr_dq.partition_C(gdQ))
+        # dq (scale already in dS) -> 16 bits -> sQ -> one TMA store of the CTA's (64 heads, d) box
+        # (common/sm90_epilogue.store_o: the first DQ_STAGED waits for both warpgroups' last dkv
+        # GEMM, sQ's last reader; the second orders the fenced stores before the store warp's TMA).
+        # Written straight from the fragment, a thread's 4-byte pieces left in 8-row x 16-byte
+        # fragments (4x cuDNN's L2 write sectors, 2026-12-03 profile).
+        gdQ = cute.local_tile(mdQ[None, None, token], (HEADS_PER_CTA, d), (None, 0))
+        store_o(acc_dq, smem.sQ, thr_dq, tma_atom_dq, gdQ, head_block, int(IndexBwdBarrier.DQ_STAGED),
+                self.consumer_threads, cute.arch.make_warp_uniform(tidx // 32) == 0)
