@@ -1,5 +1,6 @@
 """Host proof (CPU, no GPU): stage F's SM90 backward reads every operand where it was written,
-built with the kernel's own builders (stages/f_backward/sm90.py, common/sm90_gemm.py).
+built with the kernel's own builders (stages/f_backward/sm90.py, common/sm90_gemm.py), at each of
+the kernel's (head dim, queries a visit) configurations (``TILES``; the host pads by the same tile).
 
 1. Transposed SMEM views. dS^T is written through the S^T accumulator's partition of the
    (keys, queries) K-major view ``make_tile_smem_layout(tile_n, tile_m)`` and read by the dQ wgmma
@@ -37,6 +38,9 @@ from dsv4_attention.stages.f_backward import sm90 as kernel
 pytestmark = [pytest.mark.stage_f, pytest.mark.proof, pytest.mark.arch("sm90")]
 
 TILE_M, TILE_N, THREADS = 64, 128, 256
+#: the kernel's (head dim, queries a visit) configurations: 128 at head dim 64 without a window
+#: bound (``f_backward.queries_per_visit``), 64 otherwise
+TILES = [(64, 128), (64, 64), (128, 64)]
 
 
 def transpose_mismatches(rows: int, cols: int, stages: int, wrong: bool = False) -> list:
@@ -55,8 +59,9 @@ def transpose_mismatches(rows: int, cols: int, stages: int, wrong: bool = False)
     return bad
 
 
-@pytest.mark.parametrize("view", [("dS", TILE_N, TILE_M, kernel.DS_STAGES), ("K", TILE_N, 128, 1),
-                                  ("K64", TILE_N, 64, 1), ("Q_dO", TILE_M, 128, 2), ("Q_dO64", TILE_M, 64, 2)],
+@pytest.mark.parametrize("view", [("dS", TILE_N, TILE_M, kernel.DS_STAGES), ("dS128", TILE_N, 128, kernel.DS_STAGES),
+                                  ("K", TILE_N, 128, 1), ("K64", TILE_N, 64, 1), ("Q_dO", TILE_M, 128, 2),
+                                  ("Q_dO64", TILE_M, 64, 2), ("Q_dO64_m128", 128, 64, 2)],
                          ids=lambda v: v[0])
 def test_transposed_views_read_what_was_written(view):
     _, rows, cols, stages = view
@@ -68,32 +73,32 @@ def test_transposed_view_checker_rejects_a_kmajor_read():
     assert transpose_mismatches(TILE_N, TILE_M, 1, wrong=True)
 
 
-def held(head_dim: int) -> dict:
+def held(head_dim: int, tile_m: int) -> dict:
     def body():
         dtype = cutlass.BFloat16
-        sdp = make_tiled_mma(dtype, TILE_M, warpgroups=2)
+        sdp = make_tiled_mma(dtype, tile_m, warpgroups=2)
         dkv = make_pv_tiled_mma(dtype, head_dim, warpgroups=2)
         dq = kernel.make_dq_tiled_mma(dtype, head_dim)
         thr = sdp.get_slice(0)
-        acc = thr.make_fragment_C(thr.partition_shape_C((TILE_N, TILE_M)))
+        acc = thr.make_fragment_C(thr.partition_shape_C((TILE_N, tile_m)))
         return {"views": stat_views(acc.layout),
-                "s": [partition_coords(sdp, t, (TILE_N, TILE_M)) for t in range(THREADS)],
-                "dq": [partition_coords(dq, t, (TILE_M, head_dim)) for t in range(THREADS)],
+                "s": [partition_coords(sdp, t, (TILE_N, tile_m)) for t in range(THREADS)],
+                "dq": [partition_coords(dq, t, (tile_m, head_dim)) for t in range(THREADS)],
                 "dkv": [partition_coords(dkv, t, (TILE_N, head_dim)) for t in range(THREADS)]}
 
     return trace(body, arch="sm90")
 
 
-@pytest.fixture(scope="module", params=[64, 128])
+@pytest.fixture(scope="module", params=TILES, ids=lambda t: f"hd{t[0]}-m{t[1]}")
 def holdings(request):
-    return request.param, held(request.param)
+    return request.param, held(*request.param)
 
 
 def test_column_statistics_are_the_values_queries(holdings):
-    _, h = holdings
+    (_, tile_m), h = holdings
     bad = stat_failures(h["s"], h["views"]["cols"], axis=1)
     assert not bad, bad[:5]
-    assert len(h["views"]["cols"]) == TILE_M // 4  # tile_m / 4 statistics, two values (row halves) each
+    assert len(h["views"]["cols"]) == tile_m // 4  # tile_m / 4 statistics, two values (row halves) each
 
 
 def test_statistics_checker_rejects_the_row_view(holdings):
@@ -102,25 +107,25 @@ def test_statistics_checker_rejects_the_row_view(holdings):
 
 
 def test_each_gradient_element_has_one_owner(holdings):
-    d, h = holdings
-    for name, shape in (("dq", (TILE_M, d)), ("dkv", (TILE_N, d))):
+    (d, tile_m), h = holdings
+    for name, shape in (("dq", (tile_m, d)), ("dkv", (TILE_N, d))):
         seen = [c for values in h[name] for c in values]
         assert len(seen) == shape[0] * shape[1] and len(set(seen)) == len(seen), name
         assert set(seen) == {(r, c) for r in range(shape[0]) for c in range(shape[1])}, name
 
 
-def dq_staging(head_dim: int, kernels: bool = True) -> dict:
+def dq_staging(head_dim: int, tile_m: int = TILE_M, kernels: bool = True) -> dict:
     """The dQ accumulator's thread values and the staging layout's shape and stride (the kernel's
     ``dq_smem_layout``, or the row-major control)."""
     def body():
         if kernels:
-            layout = kernel.dq_smem_layout(TILE_M, head_dim)
+            layout = kernel.dq_smem_layout(tile_m, head_dim)
         else:
-            layout = cute.make_layout((TILE_M, head_dim, 1), stride=(head_dim, 1, TILE_M * head_dim))
+            layout = cute.make_layout((tile_m, head_dim, 1), stride=(head_dim, 1, tile_m * head_dim))
         dq = kernel.make_dq_tiled_mma(cutlass.BFloat16, head_dim)
-        ident = cute.make_identity_tensor((TILE_M, head_dim))
+        ident = cute.make_identity_tensor((tile_m, head_dim))
         return {"threads": [coords(dq.get_slice(t).partition_C(ident)) for t in range(THREADS)],
-                "shape": as_ints(layout.shape), "stride": as_ints(layout.stride)}
+                "shape": as_ints(layout.shape), "stride": as_ints(layout.stride), "tile_m": tile_m}
 
     return trace(body, arch="sm90")
 
@@ -129,9 +134,9 @@ def staging_byte(plan: dict, m: int, n: int) -> int:
     return 4 * offset_of(plan["shape"], plan["stride"], (m, n, 0))
 
 
-def tma_box_byte(m: int, n: int) -> int:
-    """Blocks of (TILE_M rows, 8 fp32 columns), dense: where the reduction's box reads (m, n)."""
-    return (n // 8) * TILE_M * 32 + m * 32 + (n % 8) * 4
+def tma_box_byte(m: int, n: int, tile_m: int) -> int:
+    """Blocks of (tile_m rows, 8 fp32 columns), dense: where the reduction's box reads (m, n)."""
+    return (n // 8) * tile_m * 32 + m * 32 + (n % 8) * 4
 
 
 def store_wavefronts(plan: dict) -> list:
@@ -151,11 +156,11 @@ def store_wavefronts(plan: dict) -> list:
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_staging_is_the_tma_box_and_conflict_free(head_dim):
-    plan = dq_staging(head_dim)
-    placed = {(m, n): staging_byte(plan, m, n) for m in range(TILE_M) for n in range(head_dim)}
-    bad = [(c, b, tma_box_byte(*c)) for c, b in placed.items() if b != tma_box_byte(*c)]
+@pytest.mark.parametrize("head_dim,tile_m", TILES)
+def test_dq_staging_is_the_tma_box_and_conflict_free(head_dim, tile_m):
+    plan = dq_staging(head_dim, tile_m)
+    placed = {(m, n): staging_byte(plan, m, n) for m in range(tile_m) for n in range(head_dim)}
+    bad = [(c, b, tma_box_byte(*c, tile_m)) for c, b in placed.items() if b != tma_box_byte(*c, tile_m)]
     assert not bad, f"{len(bad)} elements off the TMA box, e.g. {bad[:4]}"
     for t, values in enumerate(plan["threads"]):
         for k in range(0, len(values), 2):
@@ -168,4 +173,20 @@ def test_dq_staging_is_the_tma_box_and_conflict_free(head_dim):
 def test_dq_staging_checker_rejects_the_row_major_staging():
     plan = dq_staging(128, kernels=False)
     assert max(store_wavefronts(plan)) == 8
-    assert any(staging_byte(plan, m, n) != tma_box_byte(m, n) for m in range(TILE_M) for n in range(128))
+    assert any(staging_byte(plan, m, n) != tma_box_byte(m, n, TILE_M) for m in range(TILE_M) for n in range(128))
+
+
+@pytest.mark.parametrize("head_dim,windowed", [(64, False), (64, True), (128, False), (128, True)])
+def test_host_pads_by_the_kernels_tile(head_dim, windowed):
+    """The host pads LSE2, D, dQ's accumulator and the turns by ``queries_per_visit``; the
+    kernel's default tile for the same options is that (a mismatch would let a 128-row tile
+    reach the next request's rows, or read past the padding). Negative control: a tile it lacks."""
+    from dsv4_attention.stages import f_backward as stage
+
+    tile = stage.queries_per_visit("sm90", head_dim, windowed)
+    made = kernel.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, has_right=windowed)
+    assert made.tile_m == tile == (128 if (head_dim, windowed) == (64, False) else 64)
+    assert made.dv_after_ds == (tile > 64)
+    assert stage.padded_rows(300, tile) % tile == 0
+    with pytest.raises(ValueError, match="64 or 128 queries"):
+        kernel.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, tile_m=96)

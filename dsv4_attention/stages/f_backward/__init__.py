@@ -61,7 +61,11 @@ KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackward
 #: what each architecture's kernel serves of the above (sm100.py: head dim 128); the registry's
 #: ``Stage.head_dims_for`` reads it
 HEAD_DIMS_BY_ARCH = {"sm90": HEAD_DIMS, "sm100": (128,)}
-TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator)
+TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator), but for:
+#: head dims at which sm90.py takes 128 queries a visit where no window bound masks (FlashAttention-3's
+#: tile at head dim 64: half the visits, each one's barriers and statistics over twice the work);
+#: a bound's per-element mask does not fit the registers at 128 (ptxas spills)
+WIDE_M_HEAD_DIMS, WIDE_TILE_M = (64,), 128
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
 #: head dims whose dK and dV do not fit sm90.py's registers: sm90_wide.py's kernel, 64 keys a CTA
 WIDE_HEAD_DIMS, WIDE_TILE_N = (256,), 64
@@ -96,8 +100,16 @@ def example_args(dtype: torch.dtype, head_dim: int, index_mode: bool = False, **
             1000, 0.125 * LOG2E, 0.125, 0, 0, jit.STREAM]
 
 
-def padded_rows(seqlen_q: int) -> int:
-    return -(-seqlen_q // TILE_M) * TILE_M
+def queries_per_visit(arch: str, head_dim: int, windowed: bool) -> int:
+    """The dense backward's Q tile (the kernel's default ``tile_m`` for these options; the host
+    pads LSE2, D, dQ's accumulator and deterministic mode's counters by it)."""
+    if arch == "sm90" and head_dim in WIDE_M_HEAD_DIMS and not windowed:
+        return WIDE_TILE_M
+    return TILE_M
+
+
+def padded_rows(seqlen_q: int, tile_m: int = TILE_M) -> int:
+    return -(-seqlen_q // tile_m) * tile_m
 
 
 def _clamp(bound, limit: int) -> int:
@@ -178,15 +190,16 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     if d not in HEAD_DIMS_BY_ARCH[arch]:  # after every other check: what that architecture's kernel lacks
         raise ValueError(f"the {arch} backward serves head dims {HEAD_DIMS_BY_ARCH[arch]}; got {d}")
     kernels, tile_n = _kernels(arch, d)
+    tile_m = queries_per_visit(arch, d, left is not None or right is not None)
     if varlen:  # rows padded per request; dK and dV through a padded workspace too (by the kernel's tile)
         requests = cu_seqlens_q.shape[0] - 1
-        rows, q_rows = padded_total(sq, requests, TILE_M), padded_index(cu_seqlens_q, sq, TILE_M)
+        rows, q_rows = padded_total(sq, requests, tile_m), padded_index(cu_seqlens_q, sq, tile_m)
         k_rows = padded_index(cu_seqlens_k, k.shape[1], tile_n)
         kv_shape = (1, padded_total(k.shape[1], requests, tile_n)) + tuple(k.shape[2:])
         dk = torch.empty(kv_shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(kv_shape, dtype=k.dtype, device=k.device)
     else:
-        requests, rows, q_rows = b, padded_rows(sq), slice(0, sq)
+        requests, rows, q_rows = b, padded_rows(sq, tile_m), slice(0, sq)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk_out is None else dk_out
         dv = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dv_out is None else dv_out
     # LSE in the exp2 domain (+inf for a row that saw no key: its P is 0, and so are its gradients)
@@ -199,7 +212,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     # deterministic dQ: per (request, head, Q tile), how many KV tiles have added their sum
-    turns = torch.zeros((requests, h, -(-max_q // TILE_M)) if deterministic else (1, 1, 1), dtype=torch.int32,
+    turns = torch.zeros((requests, h, -(-max_q // tile_m)) if deterministic else (1, 1, 1), dtype=torch.int32,
                         device=q.device)
     unused = turns.new_zeros((2,))  # stands for the tensors the call's options do not read
     args = [q, k, v, do, lse2, dsum, dq_acc, dk, dv, turns, unused if seqused_k is None else seqused_k,

@@ -9,6 +9,12 @@ algorithm, with FlashAttention-3's transposed scores).
     dQ_i     = scale sum_j dS[i, j] k_j
     dK_j     = scale sum_i dS[i, j] q_i
 
+Tile: tile_n = 128 keys a CTA; tile_m = 64 queries a visit, or 128 at head dim 64 without a
+window bound (``f_backward.queries_per_visit``, FlashAttention-3's tile there: half the visits,
+so half the per-visit barriers, statistics loads and pipeline waits for the same work; 7-16 %
+less time in its A/B, docs/results/experiments/issue44_hd64_tile128/). A bound's mask does not
+fit the registers at 128 queries (ptxas spills 4-56 bytes, whichever form the mask takes).
+
 Work decomposition
     grid  = (ceil(seqlen_k / tile_n), kv_heads, batch): one CTA per KV tile of one (kv head,
             batch). K and V of the tile stay in SMEM, its dK and dV accumulate in registers over
@@ -33,7 +39,7 @@ Why the scores are transposed (FlashAttention-3's SdP_swapAB): the consumers com
 S^T = K Q^T, whose rows are keys. Then P^T and dS^T, rounded to 16 bits in registers, are the
 A operands of dV = P^T dO and dK = dS^T Q as they stand (common/p_staging.py's relabelling, the
 forward's P trick), and each thread's row statistics become column statistics: the LSE and D of
-the queries its values hold (16 of each at tile_m = 64), which the producer loads by TMA with Q
+the queries its values hold (tile_m / 4 of each), which the producer loads by TMA with Q
 (LSE) and dO (D) into the same pipeline slot, and the consumers read from SMEM when they need
 them. dQ = dS K needs dS with queries as rows: the warpgroups write dS^T into SMEM once, and
 the dQ wgmma reads it MN-major (the same bytes, transposed; the proof is in
@@ -63,6 +69,8 @@ Consumer warpgroup, per visit (Q tile m of head h)
     issue dV += P^T dO                                     (RS; dO read MN-major)
     wait dP^T; D from the slot; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
     (padded rows: LSE2 = +inf, D = 0, so P = dS = 0 there)
+    [tile_m = 128: P rounded and dV issued only here, after dS: the scores, dP^T and the 16-bit
+    P do not fit the registers together with dV's and dK's accumulators (``dv_after_ds``)]
     DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); issue dK += dS^T Q (RS; Q read
     MN-major); wait dQ; DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into
     dQacc), while dK runs; wait all; release Q, dO
@@ -107,6 +115,7 @@ from dsv4_attention.common.sm90_gemm import (
     tile_tma_partition,
 )
 from dsv4_attention.common.softmax import acc_cols_view
+from dsv4_attention.stages.f_backward import queries_per_visit
 from dsv4_attention.stages.f_backward.span import Visits, cta_views, first_kv_tile, kernel_views
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -151,7 +160,7 @@ class FlashAttentionBackwardSm90:
         deterministic: bool = False,
         has_seqused: bool = False,
         varlen: bool = False,
-        tile_m: int = 64,
+        tile_m: int | None = None,
         tile_n: int = NUM_WG * WGMMA_M,
         stages: int = 2,
     ):
@@ -159,14 +168,19 @@ class FlashAttentionBackwardSm90:
             raise TypeError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-        if tile_m != 64 or tile_n != NUM_WG * WGMMA_M:
-            raise ValueError("the backward's tile is 64 queries x 128 keys")
+        if tile_m is None:
+            tile_m = queries_per_visit("sm90", head_dim, has_left or has_right)
+        if tile_m not in (64, 128) or tile_n != NUM_WG * WGMMA_M:
+            raise ValueError(f"the backward's tile is 64 or 128 queries x 128 keys; got {tile_m} x {tile_n}")
         self.dtype, self.head_dim = dtype, head_dim
         # compile-time options: a left / right window bound, dQ's fixed order, per-batch key
         # counts, a variable-length batch
         self.has_left, self.has_right, self.deterministic = has_left, has_right, deterministic
         self.has_seqused, self.varlen = has_seqused, varlen
         self.tile_m = tile_m
+        # at 128 queries dV's GEMM waits until dS is computed, and P is rounded after dS: issued
+        # before dS, as at 64 queries, its P and the fp32 scores both live across dS (ptxas spills)
+        self.dv_after_ds = tile_m > 64
         self.tile_n = tile_n
         self.stages = stages
         self.num_wg = NUM_WG
@@ -576,19 +590,26 @@ class FlashAttentionBackwardSm90:
                         hidden = hidden | (key < lo)
                     p = cute.math.exp2(s_cols[s, j] * scale_log2 - lse[s], fastmath=True)
                     s_cols[s, j] = cutlass.Float32(0.0) if hidden else p
-            convert_p_packed(acc_s, r_p)
-            gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
-            warpgroup.wait_group(1)  # dP^T complete (dV may run)
+            if cutlass.const_expr(not self.dv_after_ds):
+                convert_p_packed(acc_s, r_p)
+                gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
+                warpgroup.wait_group(1)  # dP^T complete (dV may run)
+            else:
+                warpgroup.wait_group(0)  # dP^T complete
             for s in cutlass.range_constexpr(n_stats):
                 dsum[s] = sD[c_cols[s, 0][1], state.index]
             for s in cutlass.range_constexpr(n_stats):
                 for j in cutlass.range_constexpr(per_stat):
                     dp_cols[s, j] = s_cols[s, j] * (dp_cols[s, j] - dsum[s])
             convert_p_packed(acc_dp, r_ds)
+            if cutlass.const_expr(self.dv_after_ds):
+                convert_p_packed(acc_s, r_p)  # after dS, which reads P in fp32
             ds_slot = it % DS_STAGES
             cute.autovec_copy(r_ds, thr_sdp.partition_C(sdS[None, None, ds_slot]))  # this thread's dS^T values
             cute.arch.fence_proxy("async.shared", space="cta")  # dS^T stores -> the dQ wgmma's reads
             cute.arch.barrier(barrier_id=int(Sm90BwdBarrier.DS_READY), number_of_threads=self.consumer_threads)
+            if cutlass.const_expr(self.dv_after_ds):
+                gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
             # dQ before dK: dQ's trip through sdQ below runs while the tensor cores do dK
             gemm(dq_mma, acc_dq, tQrdS[None, None, None, ds_slot], tQrK, zero_init=True)
             gemm(dkv_mma, acc_dk, tKrdS, tKrQ[None, None, None, state.index], zero_init=False)
