@@ -38,8 +38,8 @@ from dsv4_attention.stages.f_backward import sm90 as kernel
 pytestmark = [pytest.mark.stage_f, pytest.mark.proof, pytest.mark.arch("sm90")]
 
 TILE_M, TILE_N, THREADS = 64, 128, 256
-#: the kernel's (head dim, queries a visit) configurations: 128 at head dim 64 without a window
-#: bound (``f_backward.queries_per_visit``), 64 otherwise
+#: the kernel's (head dim, queries a visit) configurations: 128 at head dim 64
+#: (``f_backward.queries_per_visit``), 64 otherwise; (64, 64) the tile it had, kept proven
 TILES = [(64, 128), (64, 64), (128, 64)]
 
 
@@ -183,10 +183,11 @@ def test_host_pads_by_the_kernels_tile(head_dim, windowed):
     reach the next request's rows, or read past the padding). Negative control: a tile it lacks."""
     from dsv4_attention.stages import f_backward as stage
 
-    tile = stage.queries_per_visit("sm90", head_dim, windowed)
+    tile = stage.queries_per_visit("sm90", head_dim)
     made = kernel.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, has_right=windowed)
-    assert made.tile_m == tile == (128 if (head_dim, windowed) == (64, False) else 64)
+    assert made.tile_m == tile == (128 if head_dim == 64 else 64)
     assert made.dv_after_ds == (tile > 64)
+    assert made.late_dp == (tile > 64 and windowed)
     assert stage.padded_rows(300, tile) % tile == 0
     with pytest.raises(ValueError, match="64 or 128 queries"):
         kernel.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, tile_m=96)

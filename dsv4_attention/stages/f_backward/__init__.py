@@ -62,9 +62,8 @@ KERNELS = {"sm90": "dsv4_attention.stages.f_backward.sm90:FlashAttentionBackward
 #: ``Stage.head_dims_for`` reads it
 HEAD_DIMS_BY_ARCH = {"sm90": HEAD_DIMS, "sm100": (128,)}
 TILE_M = 64  # queries per visit (the padding of LSE, D and the dQ accumulator), but for:
-#: head dims at which sm90.py takes 128 queries a visit where no window bound masks (FlashAttention-3's
-#: tile at head dim 64: half the visits, each one's barriers and statistics over twice the work);
-#: a bound's per-element mask does not fit the registers at 128 (ptxas spills)
+#: head dims at which sm90.py takes 128 queries a visit (FlashAttention-3's tile at head dim 64:
+#: half the visits, each one's barriers and statistics over twice the work)
 WIDE_M_HEAD_DIMS, WIDE_TILE_M = (64,), 128
 TILE_N = 128  # keys per CTA (a variable-length batch's dK / dV workspace is padded to it)
 #: head dims whose dK and dV do not fit sm90.py's registers: sm90_wide.py's kernel, 64 keys a CTA
@@ -100,10 +99,10 @@ def example_args(dtype: torch.dtype, head_dim: int, index_mode: bool = False, **
             1000, 0.125 * LOG2E, 0.125, 0, 0, jit.STREAM]
 
 
-def queries_per_visit(arch: str, head_dim: int, windowed: bool) -> int:
+def queries_per_visit(arch: str, head_dim: int) -> int:
     """The dense backward's Q tile (the kernel's default ``tile_m`` for these options; the host
     pads LSE2, D, dQ's accumulator and deterministic mode's counters by it)."""
-    if arch == "sm90" and head_dim in WIDE_M_HEAD_DIMS and not windowed:
+    if arch == "sm90" and head_dim in WIDE_M_HEAD_DIMS:
         return WIDE_TILE_M
     return TILE_M
 
@@ -190,7 +189,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale: float | None = None, causal:
     if d not in HEAD_DIMS_BY_ARCH[arch]:  # after every other check: what that architecture's kernel lacks
         raise ValueError(f"the {arch} backward serves head dims {HEAD_DIMS_BY_ARCH[arch]}; got {d}")
     kernels, tile_n = _kernels(arch, d)
-    tile_m = queries_per_visit(arch, d, left is not None or right is not None)
+    tile_m = queries_per_visit(arch, d)
     if varlen:  # rows padded per request; dK and dV through a padded workspace too (by the kernel's tile)
         requests = cu_seqlens_q.shape[0] - 1
         rows, q_rows = padded_total(sq, requests, tile_m), padded_index(cu_seqlens_q, sq, tile_m)

@@ -9,11 +9,14 @@ algorithm, with FlashAttention-3's transposed scores).
     dQ_i     = scale sum_j dS[i, j] k_j
     dK_j     = scale sum_i dS[i, j] q_i
 
-Tile: tile_n = 128 keys a CTA; tile_m = 64 queries a visit, or 128 at head dim 64 without a
-window bound (``f_backward.queries_per_visit``, FlashAttention-3's tile there: half the visits,
-so half the per-visit barriers, statistics loads and pipeline waits for the same work; 7-16 %
-less time in its A/B, docs/results/experiments/issue44_hd64_tile128/). A bound's mask does not
-fit the registers at 128 queries (ptxas spills 4-56 bytes, whichever form the mask takes).
+Tile: tile_n = 128 keys a CTA; tile_m = 64 queries a visit, or 128 at head dim 64
+(``f_backward.queries_per_visit``, FlashAttention-3's tile there: half the visits, so half the
+per-visit barriers, statistics loads and pipeline waits for the same work; 8-16 % less time
+without a bound, 1.5-5 % causal, in its A/Bs, docs/results/experiments/issue44_hd64_tile128/).
+At 128 queries the S^T and dP^T accumulators are 64 fp32 registers each, so two orders change
+(``dv_after_ds``, ``late_dp``): dV's GEMM waits for dS, and with a window bound dP^T's GEMM is
+issued only after P (the mask's per-element work and dP^T's in-flight accumulator do not fit
+together: ptxas spilled 4-56 bytes in every mask form tried).
 
 Work decomposition
     grid  = (ceil(seqlen_k / tile_n), kv_heads, batch): one CTA per KV tile of one (kv head,
@@ -70,7 +73,8 @@ Consumer warpgroup, per visit (Q tile m of head h)
     wait dP^T; D from the slot; dS^T = P^T (dP^T - D); -> 16 bits; dS^T -> sdS
     (padded rows: LSE2 = +inf, D = 0, so P = dS = 0 there)
     [tile_m = 128: P rounded and dV issued only here, after dS: the scores, dP^T and the 16-bit
-    P do not fit the registers together with dV's and dK's accumulators (``dv_after_ds``)]
+    P do not fit the registers together with dV's and dK's accumulators (``dv_after_ds``); with a
+    window bound dP^T is issued after P, not with S^T (``late_dp``)]
     DS_READY; issue dQ = dS K (SS: sdS and K read MN-major); issue dK += dS^T Q (RS; Q read
     MN-major); wait dQ; DQ_EMPTY; scale dQ -> sdQ; DQ_FULL (the dQ warp: TMA reduce-add into
     dQacc), while dK runs; wait all; release Q, dO
@@ -169,7 +173,7 @@ class FlashAttentionBackwardSm90:
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         if tile_m is None:
-            tile_m = queries_per_visit("sm90", head_dim, has_left or has_right)
+            tile_m = queries_per_visit("sm90", head_dim)
         if tile_m not in (64, 128) or tile_n != NUM_WG * WGMMA_M:
             raise ValueError(f"the backward's tile is 64 or 128 queries x 128 keys; got {tile_m} x {tile_n}")
         self.dtype, self.head_dim = dtype, head_dim
@@ -181,6 +185,9 @@ class FlashAttentionBackwardSm90:
         # at 128 queries dV's GEMM waits until dS is computed, and P is rounded after dS: issued
         # before dS, as at 64 queries, its P and the fp32 scores both live across dS (ptxas spills)
         self.dv_after_ds = tile_m > 64
+        # ... and with a bound's mask, dP^T's GEMM is issued after P (its accumulator not in flight
+        # while the mask runs)
+        self.late_dp = tile_m > 64 and (has_left or has_right)
         self.tile_n = tile_n
         self.stages = stages
         self.num_wg = NUM_WG
@@ -574,9 +581,12 @@ class FlashAttentionBackwardSm90:
             q0 = (work.m_lo + it % work.m_count) * tm
             pipeline_q.consumer_wait(state)
             gemm(sdp_mma, acc_s, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
-            pipeline_do.consumer_wait(state)
-            gemm(sdp_mma, acc_dp, tSrV, tSrdO[None, None, None, state.index], zero_init=True)
-            warpgroup.wait_group(1)  # S^T complete
+            if cutlass.const_expr(not self.late_dp):
+                pipeline_do.consumer_wait(state)
+                gemm(sdp_mma, acc_dp, tSrV, tSrdO[None, None, None, state.index], zero_init=True)
+                warpgroup.wait_group(1)  # S^T complete
+            else:
+                warpgroup.wait_group(0)  # S^T complete (dP^T issued after P: late_dp)
             for s in cutlass.range_constexpr(n_stats):  # the slot's statistics (SMEM: read when needed)
                 lse[s] = sLSE[c_cols[s, 0][1], state.index]
             for s in cutlass.range_constexpr(n_stats):
@@ -590,6 +600,9 @@ class FlashAttentionBackwardSm90:
                         hidden = hidden | (key < lo)
                     p = cute.math.exp2(s_cols[s, j] * scale_log2 - lse[s], fastmath=True)
                     s_cols[s, j] = cutlass.Float32(0.0) if hidden else p
+            if cutlass.const_expr(self.late_dp):
+                pipeline_do.consumer_wait(state)
+                gemm(sdp_mma, acc_dp, tSrV, tSrdO[None, None, None, state.index], zero_init=True)
             if cutlass.const_expr(not self.dv_after_ds):
                 convert_p_packed(acc_s, r_p)
                 gemm(dkv_mma, acc_dv, tVrP, tVrdO[None, None, None, state.index], zero_init=False)
